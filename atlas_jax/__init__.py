@@ -1,0 +1,7 @@
+"""atlas_jax: a JAX/XLA inference engine for hybrid LLMs (attention + Gated DeltaNet + MoE)."""
+from .config import ConfigError, ModelConfig
+from .engine.llm import LLM
+from .engine.outputs import CompletionOutput, RequestOutput
+from .engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "ConfigError"]

@@ -1,0 +1,31 @@
+"""StepBatch: the host-built metadata of one forward step, as small int32 device arrays.
+
+Layout is padded-dense: B rows (a batch bucket) by T token columns (a token bucket).
+Row b holds q_len[b] new tokens at positions start[b] .. start[b] + q_len[b] - 1; columns
+t >= q_len[b] are padding. A row with q_len 0 is a padding row: it writes no KV and no
+recurrent state (its slot is out of range, so scatters drop it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    tokens: jax.Array        # [B, T] int32 new token ids (padding: any valid id, e.g. 0)
+    q_len: jax.Array         # [B] int32 new tokens per row, 0 <= q_len <= T
+    start: jax.Array         # [B] int32 tokens already in this row's cache (position of column 0)
+    block_table: jax.Array   # [B, P] int32 page ids of the row's KV, in order (unused entries: 0)
+    slot: jax.Array          # [B] int32 recurrent-state slot; num_slots (out of range) for padding rows
+
+    @property
+    def positions(self):     # [B, T]
+        return self.start[:, None] + jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :]
+
+    @property
+    def valid(self):         # [B, T] bool: column holds a real token
+        return jnp.arange(self.tokens.shape[1], dtype=jnp.int32)[None, :] < self.q_len[:, None]

@@ -1,0 +1,126 @@
+"""Gated DeltaNet (Qwen3-Next linear attention), pure-XLA path.
+
+Recurrence per value head, state S [Dk, Dv] fp32, per token t:
+    S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + k_t delta^T;  o_t = S^T q_t
+with q, k l2-normalised and q scaled by Dk^-0.5. Decode-sized chunks run it token by token
+(`recurrent`); longer chunks use the chunked WY form (`chunked`, chunk 64). A token with
+g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert.
+"""
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from .norms import l2_normalize, rms_norm_gated
+
+CHUNK = 64
+RECURRENT_MAX_T = 16   # chunks up to this many tokens use the token-by-token form
+
+
+def recurrent(q, k, v, g, beta, s0):
+    """q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; s0 [B, H, Dk, Dv] (all fp32,
+    q already scaled). Returns (o [B, T, H, Dv], s_final)."""
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    s, o = jax.lax.scan(step, s0, xs)
+    return jnp.moveaxis(o, 0, 1), s
+
+
+def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
+    """Chunked WY form; same contract as `recurrent`."""
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk
+    if pad:
+        q, k, v = (jnp.pad(a, ((0, 0), (0, pad), (0, 0), (0, 0))) for a in (q, k, v))
+        g, beta = (jnp.pad(a, ((0, 0), (0, pad), (0, 0))) for a in (g, beta))
+    n = (t + pad) // chunk
+    # -> [N, B, H, C, ...]: chunks lead so scan walks them
+    def chunks(a):
+        a = a.reshape(b, n, chunk, h, *a.shape[3:])
+        return jnp.moveaxis(jnp.moveaxis(a, 1, 0), 3, 2)
+    q, k, v, g, beta = (chunks(a) for a in (q, k, v, g, beta))
+    gc = jnp.cumsum(g, axis=-1)                                       # [N, B, H, C]
+    idx = jnp.arange(chunk)
+    lower_incl = idx[:, None] >= idx[None, :]
+    decay = jnp.exp(jnp.where(lower_incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [.., C, C]
+    kb = k * beta[..., None]
+    a_mat = jnp.where(idx[:, None] > idx[None, :], jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
+    eye = jnp.eye(chunk, dtype=jnp.float32)
+    # (I + A) X = RHS, A strictly lower: u = T beta v, w = T beta k exp(gc)
+    u = solve_triangular(eye + a_mat, v * beta[..., None], lower=True, unit_diagonal=True)
+    w = solve_triangular(eye + a_mat, kb * jnp.exp(gc)[..., None], lower=True, unit_diagonal=True)
+    intra = jnp.einsum("...id,...jd->...ij", q, k) * decay           # incl. diagonal
+    q_dec = q * jnp.exp(gc)[..., None]
+    g_last = gc[..., -1]                                              # [N, B, H]
+    k_dec = k * jnp.exp(g_last[..., None] - gc)[..., None]
+
+    def step(s, xs):
+        u_c, w_c, intra_c, q_c, k_c, gl = xs
+        v_new = u_c - jnp.einsum("bhck,bhkv->bhcv", w_c, s)
+        o = jnp.einsum("bhck,bhkv->bhcv", q_c, s) + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_new)
+        s = s * jnp.exp(gl)[..., None, None] + jnp.einsum("bhck,bhcv->bhkv", k_c, v_new)
+        return s, o
+    s, o = jax.lax.scan(step, s0, (u, w, intra, q_dec, k_dec, g_last))   # o [N, B, H, C, Dv]
+    o = jnp.moveaxis(o, 0, 1)                                         # [B, N, H, C, Dv]
+    o = jnp.moveaxis(o, 2, 3).reshape(b, n * chunk, h, dv)
+    return o[:, :t], s
+
+
+def causal_conv(x, conv_state, w, q_len):
+    """Depthwise causal conv1d + SiLU over a chunk.
+    x [B, T, C]; conv_state [B, C, K-1] (the K-1 inputs before column 0); w [C, K];
+    q_len [B]. Returns (y [B, T, C], new conv_state [B, C, K-1] = the last K-1 inputs
+    before column q_len, i.e. unchanged for a row with q_len 0)."""
+    kw = w.shape[-1]
+    t = x.shape[1]
+    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)   # [B, K-1+T, C]
+    y = sum(ext[:, j:j + t, :].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(kw))
+    new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, kw - 1, axis=0))(ext, q_len)
+    return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(new_state, 1, 2)
+
+
+def gdn_layer(p, x, ssm, batch, cfg):
+    """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
+    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K-1]).
+    x [B, T, H] -> ([B, T, H], ssm)."""
+    b, t, _ = x.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    qkvz = (x @ p["qkvz"]).reshape(b, t, hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    ba = (x @ p["ba"]).reshape(b, t, hk, 2 * r)
+    b_gate, a_gate = ba[..., :r].reshape(b, t, hv), ba[..., r:].reshape(b, t, hv)
+    mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
+
+    h_pool, conv_pool = ssm
+    fresh = (batch.start == 0)[:, None, None]                  # a sequence's first chunk starts from zero state
+    conv_in = jnp.take(conv_pool, batch.slot, axis=0, mode="fill", fill_value=0)
+    conv_in = jnp.where(fresh, 0, conv_in)
+    mixed, conv_out = causal_conv(mixed, conv_in, p["conv"], batch.q_len)
+    q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
+    q = jnp.repeat(q.reshape(b, t, hk, dk), r, axis=2)            # key head i serves value heads i*r..i*r+r-1
+    k = jnp.repeat(k.reshape(b, t, hk, dk), r, axis=2)
+    v = v.reshape(b, t, hv, dv)
+    q = l2_normalize(q) * dk ** -0.5
+    k = l2_normalize(k)
+
+    valid = batch.valid[..., None]
+    beta = jnp.where(valid, jax.nn.sigmoid(b_gate.astype(jnp.float32)), 0.0)
+    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+    g = jnp.where(valid, g, 0.0)
+
+    s0 = jnp.take(h_pool, batch.slot, axis=0, mode="fill", fill_value=0)
+    s0 = jnp.where(fresh[..., None], 0.0, s0)
+    core = recurrent if t <= RECURRENT_MAX_T else chunked
+    o, s1 = core(q, k, v, g, beta, s0)
+
+    o = rms_norm_gated(o.astype(x.dtype), z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps)
+    out = o.reshape(b, t, hv * dv) @ p["out"]
+    h_pool = h_pool.at[batch.slot].set(s1, mode="drop")
+    conv_pool = conv_pool.at[batch.slot].set(conv_out.astype(conv_pool.dtype), mode="drop")
+    return out, (h_pool, conv_pool)

@@ -1,0 +1,63 @@
+"""The decoder forward shared by every family: embed -> layers -> final norm -> logits.
+
+`forward(params, state, batch, cfg)` is pure: it returns new state instead of mutating it.
+Layer i's mixer is attention or GDN by `cfg.layer_types[i]`; its FFN is MoE or dense by
+`cfg.moe_layers[i]`. The i-th attention layer owns state.kv[i], the i-th GDN layer state.ssm[i].
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from ..batch import StepBatch
+from ..config import FULL_ATTENTION, ModelConfig
+from ..layers.attention import attention_layer
+from ..layers.gdn import gdn_layer
+from ..layers.mlp import swiglu
+from ..layers.moe import moe
+from ..layers.norms import rms_norm
+from ..layers.rope import rope_cos_sin
+from ..state.cache import ModelState
+
+
+def decoder_layer(p, x, layer_state, batch, cos, sin, cfg: ModelConfig, i: int):
+    """One pre-norm residual block. Returns (x, layer_state)."""
+    with jax.named_scope(f"layer_{i}"):
+        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            h, layer_state = attention_layer(p["attn"], h, layer_state, batch, cos, sin, cfg)
+        else:
+            h, layer_state = gdn_layer(p["gdn"], h, layer_state, batch, cfg)
+        x = x + h
+        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        if cfg.moe_layers[i]:
+            h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        else:
+            h = swiglu(p["mlp"], h)
+        return x + h, layer_state
+
+
+def lm_head(params, x):
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def forward(params, state: ModelState, batch: StepBatch, cfg: ModelConfig, all_logits: bool = False):
+    """Returns (logits, hidden, state). logits: [B, V] fp32 at each row's last new token, or
+    [B, T, V] with all_logits; hidden: final-normed hidden states at the same positions."""
+    x = jnp.take(params["embed"], batch.tokens, axis=0)                       # [B, T, H]
+    cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
+    kv, ssm = list(state.kv), list(state.ssm)
+    n_attn = n_gdn = 0
+    for i, p in enumerate(params["layers"]):
+        if cfg.layer_types[i] == FULL_ATTENTION:
+            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], batch, cos, sin, cfg, i)
+            n_attn += 1
+        else:
+            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], batch, cos, sin, cfg, i)
+            n_gdn += 1
+    if not all_logits:
+        last = jnp.maximum(batch.q_len - 1, 0)
+        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]          # [B, H]
+    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    return lm_head(params, x), x, ModelState(kv=tuple(kv), ssm=tuple(ssm))

@@ -1,0 +1,58 @@
+"""Qwen3-Next: Gated DeltaNet layers with a full-attention layer every `full_attention_interval`
+(output-gated, partial RoPE), zero-centred RMSNorms, MoE with a sigmoid-gated shared expert,
+and an optional MTP head (`mtp.*`, loaded for speculative decoding)."""
+import dataclasses
+
+from ..config import ModelConfig
+from .layout import ParamSpec, attention_specs, embedding_specs, ffn_specs, linear, vector
+
+MODEL_TYPES = ("qwen3_next",)
+
+
+def gdn_specs(cfg: ModelConfig, path, prefix):
+    h = cfg.hidden_size
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    return [
+        linear((*path, "qkvz"), f"{prefix}.in_proj_qkvz", h, 2 * hk * dk + 2 * hv * dv),
+        linear((*path, "ba"), f"{prefix}.in_proj_ba", h, 2 * hv),
+        ParamSpec((*path, "conv"), (f"{prefix}.conv1d.weight",), (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim), "conv"),
+        vector((*path, "A_log"), f"{prefix}.A_log", hv),
+        vector((*path, "dt_bias"), f"{prefix}.dt_bias", hv),
+        vector((*path, "norm"), f"{prefix}.norm.weight", dv),
+        linear((*path, "out"), f"{prefix}.out_proj", hv * dv, h),
+    ]
+
+
+def layer_specs(cfg: ModelConfig, i: int, path, prefix):
+    specs = [vector((*path, "input_norm"), f"{prefix}.input_layernorm.weight", cfg.hidden_size),
+             vector((*path, "post_norm"), f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)]
+    if cfg.layer_types[i] == "full_attention":
+        specs += attention_specs(cfg, (*path, "attn"), f"{prefix}.self_attn")
+    else:
+        specs += gdn_specs(cfg, (*path, "gdn"), f"{prefix}.linear_attn")
+    return specs + ffn_specs(cfg, i, path, prefix)
+
+
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """The MTP layer is one full-attention layer with the main model's FFN kind (MoE when any is)."""
+    return dataclasses.replace(cfg, num_layers=1, layer_types=("full_attention",), moe_layers=(any(cfg.moe_layers),))
+
+
+def mtp_specs(cfg: ModelConfig, num_layers: int):
+    h = cfg.hidden_size
+    specs = [linear(("mtp", "fc"), "mtp.fc", 2 * h, h),
+             vector(("mtp", "pre_fc_norm_embedding"), "mtp.pre_fc_norm_embedding.weight", h),
+             vector(("mtp", "pre_fc_norm_hidden"), "mtp.pre_fc_norm_hidden.weight", h),
+             vector(("mtp", "norm"), "mtp.norm.weight", h)]
+    mcfg = mtp_config(cfg)
+    for i in range(num_layers):
+        specs += layer_specs(mcfg, 0, ("mtp", "layers", i), f"mtp.layers.{i}")
+    return specs
+
+
+def param_specs(cfg: ModelConfig, mtp_layers: int = 0):
+    specs = embedding_specs(cfg)
+    for i in range(cfg.num_layers):
+        specs += layer_specs(cfg, i, ("layers", i), f"model.layers.{i}")
+    return specs + (mtp_specs(cfg, mtp_layers) if mtp_layers else [])

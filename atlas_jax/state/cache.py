@@ -1,0 +1,43 @@
+"""Device state of the model: the KV page pool and the recurrent-state slot pool.
+
+Built once with fixed capacity and donated to every step, so updates are in place.
+  kv[i]  = (k, v), each [num_pages, page_size, num_kv_heads, head_dim] in the model dtype,
+           for the i-th full-attention layer.
+  ssm[i] = (h [num_slots, Hv, Dk, Dv] fp32, conv [num_slots, conv_dim, K-1] model dtype),
+           for the i-th Gated DeltaNet layer.
+Which page / slot a sequence owns is host metadata (state/allocator.py, batch.StepBatch).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelState:
+    kv: tuple     # per attention layer: (k_pages, v_pages)
+    ssm: tuple    # per GDN layer: (h, conv)
+
+
+def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> ModelState:
+    kv_page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
+    h = jax.ShapeDtypeStruct((num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+                              cfg.linear_value_head_dim), jnp.float32)
+    conv = jax.ShapeDtypeStruct((num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+    return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers),
+                      ssm=tuple((h, conv) for _ in cfg.gdn_layers))
+
+
+def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> ModelState:
+    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> int:
+    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype)
+    return sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))

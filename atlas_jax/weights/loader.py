@@ -1,0 +1,95 @@
+"""HF safetensors checkpoint -> param pytree.
+
+Single-file (`model.safetensors`) and sharded (`model.safetensors.index.json`) checkpoints.
+Tensors are read one at a time through memory-mapped `safe_open`, converted (transpose,
+dtype cast) on the host and placed on the device, so at most one tensor (or one layer's
+stack of experts) exists twice at any moment. Every tensor of the checkpoint must be
+consumed by a ParamSpec and every spec must find its tensor with the right shape; anything
+else is a CheckpointError naming the tensor.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..models import family
+from ..models.layout import ParamSpec, as_lists, set_path
+
+# Buffers some exporters write that carry no weights.
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensor."""
+
+
+def _tensor_files(path: str) -> dict[str, str]:
+    """tensor name -> safetensors file holding it."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return {name: os.path.join(path, fname) for name, fname in weight_map.items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise CheckpointError(f"no model.safetensors or model.safetensors.index.json in {path}")
+    with safe_open(single, framework="np") as f:
+        return {name: single for name in f.keys()}
+
+
+def read_checkpoint_names(path: str) -> list[str]:
+    return sorted(_tensor_files(path))
+
+
+def count_mtp_layers(names) -> int:
+    idx = {int(m.group(1)) for n in names if (m := re.match(r"mtp\.layers\.(\d+)\.", n))}
+    return max(idx) + 1 if idx else 0
+
+
+def load_params(path: str, cfg: ModelConfig, dtype=jnp.bfloat16, load_mtp: bool = True):
+    """Read the checkpoint at `path` into a param pytree of `dtype` arrays.
+    Returns (params, num_mtp_layers)."""
+    files = _tensor_files(path)
+    names = set(files)
+    mtp_layers = count_mtp_layers(names) if load_mtp else 0
+    specs: list[ParamSpec] = family(cfg.model_type).param_specs(cfg, mtp_layers)
+    if not load_mtp:
+        names = {n for n in names if not n.startswith("mtp.")}
+    params: dict = {}
+    np_dtype = np.dtype(jnp.dtype(dtype))
+    with contextlib.ExitStack() as stack:
+        handles = {f: stack.enter_context(safe_open(f, framework="np")) for f in sorted(set(files.values()))}
+
+        def read(name: str, shape) -> np.ndarray:
+            if name not in files:
+                raise CheckpointError(f"checkpoint {path} is missing tensor {name!r}")
+            t = handles[files[name]].get_tensor(name)
+            if tuple(t.shape) != tuple(shape):
+                raise CheckpointError(f"tensor {name!r} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+            return t
+
+        for spec in specs:
+            if len(spec.hf_names) == 1:
+                host = spec.convert(read(spec.hf_names[0], spec.hf_shape)).astype(np_dtype)
+            else:
+                host = np.empty(spec.shape, np_dtype)
+                for e, name in enumerate(spec.hf_names):
+                    host[e] = spec.convert(read(name, spec.hf_shape))
+            set_path(params, spec.path, jax.device_put(np.ascontiguousarray(host)))
+            del host
+    consumed = {n for s in specs for n in s.hf_names}
+    if cfg.tie_word_embeddings:
+        consumed.add("lm_head.weight")   # some exporters also write the tied head
+    unexpected = sorted(n for n in names - consumed if not _IGNORED.match(n))
+    if unexpected:
+        more = f" (and {len(unexpected) - 5} more)" if len(unexpected) > 5 else ""
+        raise CheckpointError(f"checkpoint {path} has unexpected tensors {unexpected[:5]}{more}")
+    return as_lists(params), mtp_layers
