@@ -1,0 +1,33 @@
+# Two entry points; each creates the virtualenv and installs what it needs on first use.
+#   make run   - complete a prompt with the embedded default model
+#   make test  - the test suite (CPU; HF transformers as the numerical oracle)
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= def add(a, b):
+
+.PHONY: run test test-slow clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+
+$(VENV)/.run-deps: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.test-deps: pyproject.toml | $(PY)
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@ $(VENV)/.run-deps
+
+run: $(VENV)/.run-deps
+	$(PY) -m atlas_jax.generate --prompt "$(PROMPT)"
+
+test: $(VENV)/.test-deps
+	$(PY) -m pytest -q
+
+test-slow: $(VENV)/.test-deps
+	$(PY) -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,122 @@
+"""The embedded default model: a deterministic random-init tiny Qwen3-Next, written on first
+use as a real HF-format checkpoint (config.json, model.safetensors with an MTP head,
+tokenizer.json from a byte-level BPE trained with `tokenizers`), so the default path runs
+through the same loader as any downloaded checkpoint. Its text is noise: it exists to
+exercise the engine end to end until a trained model ships.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+NAME = "tiny-qwen3-next-v1"
+_SEED = 20261129
+
+_CONFIG = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 4,
+    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "num_nextn_predict_layers": 1, "torch_dtype": "float32",
+}
+
+_CORPUS = """\
+def add(a, b):
+    return a + b
+
+def fibonacci(n):
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+class Stack:
+    def __init__(self):
+        self.items = []
+
+    def push(self, item):
+        self.items.append(item)
+
+    def pop(self):
+        return self.items.pop()
+
+The quick brown fox jumps over the lazy dog. A hybrid language model mixes full attention
+with linear attention layers; the recurrent state of a Gated DeltaNet layer is a matrix per
+head, updated by every token. Hello, world! What is the capital of France? Paris is the
+capital of France. 0 1 2 3 4 5 6 7 8 9 10 100 1000
+"""
+
+
+def default_model_path() -> str:
+    """Path of the default checkpoint, creating it on first use ($ATLAS_JAX_HOME or ~/.cache/atlas_jax)."""
+    home = os.environ.get("ATLAS_JAX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "atlas_jax")
+    path = os.path.join(home, NAME)
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        os.makedirs(home, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=home, prefix=f".{NAME}-")
+        try:
+            write_default_model(tmp)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.replace(tmp, path)   # atomic: a half-written model is never visible
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return path
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    return tok
+
+
+def _init_tensor(name: str, shape, rng) -> np.ndarray:
+    if name.endswith("A_log"):
+        return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
+    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+        return np.ones(shape, np.float32)
+    if "norm" in name:                                   # zero-centred: scale = 1 + w
+        return (0.05 * rng.standard_normal(shape)).astype(np.float32)
+    std = 0.2 if "conv1d" in name else (0.5 if "embed" in name else 0.08)
+    return (std * rng.standard_normal(shape)).astype(np.float32)
+
+
+def write_default_model(path: str) -> None:
+    from safetensors.numpy import save_file
+
+    from .config import ModelConfig
+    from .models import qwen3_next
+
+    tok = _train_tokenizer(512)
+    eos = tok.token_to_id("<|endoftext|>")
+    config = {**_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    cfg = ModelConfig.from_dict(config)
+    rng = np.random.default_rng(_SEED)
+    tensors = {}
+    for spec in qwen3_next.param_specs(cfg, mtp_layers=config["num_nextn_predict_layers"]):
+        for name in spec.hf_names:
+            tensors[name] = _init_tensor(name, spec.hf_shape, rng)
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    tok.save(os.path.join(path, "tokenizer.json"))
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": eos}, f, indent=2)
+    with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+        json.dump({"eos_token": "<|endoftext|>", "model_max_length": config["max_position_embeddings"]}, f, indent=2)

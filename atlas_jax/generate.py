@@ -1,0 +1,37 @@
+"""`python -m atlas_jax.generate --prompt "def add(a, b):"`: complete a prompt and print it."""
+from __future__ import annotations
+
+import argparse
+import time
+
+from . import LLM, SamplingParams
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny model)")
+    ap.add_argument("--prompt", action="append", help="prompt text; repeat for a batch")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    args = ap.parse_args(argv)
+    prompts = args.prompt or ["def add(a, b):"]
+    llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for out in outs:
+        c = out.outputs[0]
+        print(f"--- prompt: {out.prompt!r}\n{out.prompt}{c.text}\n--- {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
+    print(f"--- {sum(len(o.outputs[0].token_ids) for o in outs)} tokens in {dt:.2f}s (incl. compilation; "
+          f"{llm.num_compiles} compiled steps)")
+
+
+if __name__ == "__main__":
+    main()
