@@ -1,0 +1,120 @@
+"""Engine-level behaviour on the embedded default model: sampling reproducibility, batch
+invariance, padding inertness, stop conditions, bad input, no leaked pages or slots."""
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.engine.runner import RowInput
+from atlas_jax.engine.sampler import SamplingBatch, sample
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    import os
+    os.environ["ATLAS_JAX_HOME"] = str(tmp_path_factory.mktemp("home"))
+    return LLM(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=128)
+
+
+def test_default_model_generates_text(llm):
+    out = llm.generate("def add(a, b):", SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
+    assert out.prompt_token_ids == llm.tokenizer.encode("def add(a, b):")
+
+
+def test_seeded_sampling_reproducible_and_batch_invariant(llm):
+    p = SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True)
+    prompts = random_prompts(llm.cfg.vocab_size, [5, 11, 19], seed=4)
+    alone = llm.generate(prompts[1], p)[0].outputs[0].token_ids
+    again = llm.generate(prompts[1], p)[0].outputs[0].token_ids
+    batched = llm.generate(prompts, [SamplingParams(max_tokens=9, temperature=1.0, seed=7), p,
+                                     SamplingParams(max_tokens=20, temperature=0.0)])[1].outputs[0].token_ids
+    assert alone == again == batched
+    other_seed = llm.generate(prompts[1], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50,
+                                                         seed=99, ignore_eos=True))[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_temperature_zero_and_top_k_one_are_greedy(llm):
+    prompt = random_prompts(llm.cfg.vocab_size, [9], seed=5)[0]
+    greedy = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    topk1 = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=3, ignore_eos=True))
+    assert greedy[0].outputs[0].token_ids == topk1[0].outputs[0].token_ids
+
+
+def test_sampler_distribution():
+    """top-k / top-p keep exactly the expected support; the sample follows softmax(logits / T)."""
+    import jax
+    import jax.numpy as jnp
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    n = 4000
+    def draw(temperature, top_k, top_p):
+        s = SamplingBatch(temperature=jnp.full((n,), temperature, jnp.float32), top_k=jnp.full((n,), top_k, jnp.int32),
+                          top_p=jnp.full((n,), top_p, jnp.float32), seed=jnp.full((n,), 5, jnp.uint32),
+                          step=jnp.arange(n, dtype=jnp.int32))
+        return np.bincount(np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), s)), minlength=4) / n
+    np.testing.assert_allclose(draw(1.0, 0, 1.0), [0.5, 0.3, 0.15, 0.05], atol=0.03)
+    assert draw(1.0, 2, 1.0)[2:].sum() == 0
+    np.testing.assert_allclose(draw(1.0, 2, 1.0)[:2], [0.625, 0.375], atol=0.03)
+    top_p = draw(1.0, 0, 0.7)       # 0.5 + 0.3 reaches 0.7: the two most likely survive
+    assert top_p[2:].sum() == 0 and top_p[1] > 0.3
+
+
+def test_padding_rows_and_columns_are_inert(llm):
+    """3 rows of 3/1/2 tokens run in a 4x4 bucket (one padding row, padding columns): only the
+    real tokens' page positions and the real rows' slots change."""
+    import jax
+    runner = llm.runner
+    before = [np.asarray(x).copy() for x in jax.tree.leaves(runner.state)]
+    pages = llm.blocks.allocate(3)
+    slots = llm.slots.allocate(3)
+    lengths = [3, 1, 2]
+    try:
+        runner.step([RowInput(tokens=[7] * n, start=0, block_table=[pg], slot=sl)
+                     for n, pg, sl in zip(lengths, pages, slots)])
+        written = {(pg, pos) for n, pg in zip(lengths, pages) for pos in range(n)}
+        for b, a in zip(before, jax.tree.leaves(runner.state)):
+            a = np.asarray(a)
+            if b.ndim == 4 and b.shape[1] == llm.page_size:       # KV pages [P, S, H, D]
+                changed = {tuple(ix) for ix in np.argwhere(np.any(b != a, axis=(2, 3)))}
+                assert changed == written
+            else:                                                 # recurrent-state slots
+                changed = set(np.argwhere(np.any((b != a).reshape(b.shape[0], -1), axis=1))[:, 0].tolist())
+                assert changed == set(slots)
+    finally:
+        llm.blocks.free(pages)
+        llm.slots.free(slots)
+
+
+def test_stop_token_and_eos(llm):
+    prompt = random_prompts(llm.cfg.vocab_size, [7], seed=6)[0]
+    free_run = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0]
+    ids = free_run.outputs[0].token_ids
+    stop_at = ids[4]
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=[stop_at]))[0]
+    assert out.outputs[0].token_ids == ids[:ids.index(stop_at) + 1]
+    assert out.outputs[0].finish_reason == "stop"
+
+
+def test_more_requests_than_seqs_and_no_leaks(llm):
+    prompts = random_prompts(llm.cfg.vocab_size, [3, 30, 12, 5, 9, 21, 2], seed=8)
+    p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    outs = llm.generate(prompts, p)
+    singles = [llm.generate(pr, p)[0].outputs[0].token_ids for pr in prompts[:3]]
+    assert [o.outputs[0].token_ids for o in outs[:3]] == singles
+    assert llm.blocks.num_free == llm.num_pages and llm.slots.num_free == llm.max_num_seqs
+
+
+def test_bad_input_is_refused_clearly(llm):
+    with pytest.raises(ValueError, match="max_model_len is 128"):
+        llm.generate([1] * 128, SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate("", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([[1, 99999]], SamplingParams(max_tokens=2))
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-3), dict(seed=-1)):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad)
+    assert llm.blocks.num_free == llm.num_pages and llm.slots.num_free == llm.max_num_seqs
