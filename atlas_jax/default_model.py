@@ -96,26 +96,32 @@ def _init_tensor(name: str, shape, rng) -> np.ndarray:
     return (std * rng.standard_normal(shape)).astype(np.float32)
 
 
-def write_default_model(path: str) -> None:
+def write_random_checkpoint(path: str, config: dict, seed: int = _SEED) -> None:
+    """Write an HF-format checkpoint (config.json + model.safetensors, with `num_nextn_predict_layers`
+    MTP layers) of deterministic random weights for `config` (a config.json dict)."""
     from safetensors.numpy import save_file
 
     from .config import ModelConfig
-    from .models import qwen3_next
+    from .models import family
 
-    tok = _train_tokenizer(512)
-    eos = tok.token_to_id("<|endoftext|>")
-    config = {**_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
     cfg = ModelConfig.from_dict(config)
-    rng = np.random.default_rng(_SEED)
+    rng = np.random.default_rng(seed)
     tensors = {}
-    for spec in qwen3_next.param_specs(cfg, mtp_layers=config["num_nextn_predict_layers"]):
+    for spec in family(cfg.model_type).param_specs(cfg, mtp_layers=config.get("num_nextn_predict_layers", 0)):
         for name in spec.hf_names:
             tensors[name] = _init_tensor(name, spec.hf_shape, rng)
     os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
+
+
+def write_default_model(path: str) -> None:
+    tok = _train_tokenizer(512)
+    eos = tok.token_to_id("<|endoftext|>")
+    config = {**_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    write_random_checkpoint(path, config)
+    tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": eos}, f, indent=2)
     with open(os.path.join(path, "tokenizer_config.json"), "w") as f:

@@ -50,15 +50,18 @@ def test_moe_matches_dense_reference(n, k, renorm, shared):
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_dispatches_agree():
-    p = _params(7)
-    x = jax.random.normal(jax.random.PRNGKey(1), (9, 16))
-    w, ids = moe_mod.route(p["router"], x, 2, True)
-    a = moe_mod._experts_gather(p["experts"], x, w, ids)
-    b = moe_mod._experts_grouped(p["experts"], x, w, ids)
+@pytest.mark.parametrize("n,k,e", [(1, 1, 6), (1, 4, 6), (9, 2, 6), (64, 3, 6), (33, 2, 16), (300, 4, 6)])
+def test_dispatches_agree(n, k, e):
+    p = _params(n + k, e=e)
+    x = jax.random.normal(jax.random.PRNGKey(1), (n, 16))
+    w, ids = moe_mod.route(p["router"], x, k, True)
+    a = jax.jit(moe_mod._experts_ragged)(p["experts"], x, w, ids)
+    b = jax.jit(moe_mod._experts_blocked)(p["experts"], x, w, ids)
     np.testing.assert_allclose(a, b, atol=1e-5)
 
 
-def test_dispatch_choice_scales_with_top_k():
-    assert moe_mod.dispatch_for(1, 10, 512) == "gather"
-    assert moe_mod.dispatch_for(64, 10, 512) == "grouped"
+def test_blocked_dispatch_work_scales_with_top_k():
+    """Decode (1 token) runs k single-row blocks: the k chosen experts, not all E."""
+    assert moe_mod.block_rows(1 * 10, 512) == 1
+    assert moe_mod.block_rows(4096 * 10, 512) == 64
+    assert moe_mod.dispatch_for("cpu") == "blocked" and moe_mod.dispatch_for("gpu") == "ragged"
