@@ -118,3 +118,20 @@ def test_bad_input_is_refused_clearly(llm):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert llm.blocks.num_free == llm.num_pages and llm.slots.num_free == llm.max_num_seqs
+
+
+def test_sampled_row_independent_of_neighbours_path():
+    """A temperature-only row draws the same token whether its neighbour is greedy (no mask
+    built) or uses top-k / top-p (mask built for the batch)."""
+    import jax
+    import jax.numpy as jnp
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 300)) * 3
+    def batch(t1, k1, p1, step):
+        return SamplingBatch(temperature=jnp.array([0.8, t1], jnp.float32), top_k=jnp.array([0, k1], jnp.int32),
+                             top_p=jnp.array([1.0, p1], jnp.float32), seed=jnp.array([11, 12], jnp.uint32),
+                             step=jnp.array([step, 0], jnp.int32))
+    f = jax.jit(sample)
+    for step in range(20):
+        a = f(logits, batch(0.0, 0, 1.0, step))[0]
+        b = f(logits, batch(1.0, 5, 0.5, step))[0]
+        assert a == b
