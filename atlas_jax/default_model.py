@@ -16,7 +16,7 @@ import numpy as np
 NAME = "tiny-qwen3-next-v1"
 _SEED = 20261129
 
-_CONFIG = {
+DEFAULT_CONFIG = {  # config.json of the default model (vocab and special ids are added from the tokenizer)
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
     "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 4,
     "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -119,7 +119,7 @@ def write_random_checkpoint(path: str, config: dict, seed: int = _SEED) -> None:
 def write_default_model(path: str) -> None:
     tok = _train_tokenizer(512)
     eos = tok.token_to_id("<|endoftext|>")
-    config = {**_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    config = {**DEFAULT_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
     write_random_checkpoint(path, config)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "generation_config.json"), "w") as f:

@@ -17,18 +17,15 @@ import jax
 import numpy as np
 
 from atlas_jax import LLM, SamplingParams
+from atlas_jax.default_model import DEFAULT_CONFIG
 
+# The default model's architecture, scaled up: 12 layers (9 GDN + 3 attention), hidden 1024, 16 experts.
 QWEN3_NEXT_12L = {
-    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 32000,
-    "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12, "full_attention_interval": 4,
-    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128,
-    "linear_num_key_heads": 8, "linear_num_value_heads": 16, "linear_key_head_dim": 64,
-    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
-    "num_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
-    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-    "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 4096, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "eos_token_id": 0,
+    **DEFAULT_CONFIG, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
+    "layer_types": None, "num_attention_heads": 8, "head_dim": 128, "linear_num_key_heads": 8,
+    "linear_num_value_heads": 16, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 16,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "num_nextn_predict_layers": 0, "eos_token_id": 0,
 }
 
 
