@@ -1,8 +1,4 @@
 """atlas_jax: a JAX/XLA inference engine for hybrid LLMs (attention + Gated DeltaNet + MoE)."""
-from . import xla_env
-
-xla_env.apply()
-
 from .config import ConfigError, ModelConfig
 from .engine.llm import LLM
 from .engine.outputs import CompletionOutput, RequestOutput

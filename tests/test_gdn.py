@@ -76,3 +76,15 @@ def test_causal_conv_chunks_and_state():
     # a row with q_len 0 keeps its state
     _, same = gdn.causal_conv(jnp.zeros((1, 4, c)), state, jnp.asarray(w), jnp.array([0]))
     np.testing.assert_array_equal(same, state)
+
+
+def test_unit_lower_inverse():
+    """On the matrices the WY form builds: A = strictly_lower(beta k k^T * decay), |k| = 1."""
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((3, 64, 16))
+    k /= np.linalg.norm(k, axis=-1, keepdims=True)
+    beta = rng.uniform(0, 1, (3, 64, 1))
+    gc = np.cumsum(-rng.uniform(0, 0.1, (3, 64)), axis=-1)
+    a = np.tril(beta * (k @ np.swapaxes(k, 1, 2)) * np.exp(gc[:, :, None] - gc[:, None, :]), -1)
+    t = np.asarray(gdn.unit_lower_inverse(jnp.asarray(a, jnp.float32)))
+    np.testing.assert_allclose(t, np.linalg.inv(np.eye(64) + a), atol=1e-4 * np.abs(t).max())

@@ -8,7 +8,6 @@ g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert.
 """
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 from .norms import l2_normalize, rms_norm_gated
 
@@ -28,6 +27,20 @@ def recurrent(q, k, v, g, beta, s0):
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     s, o = jax.lax.scan(step, s0, xs)
     return jnp.moveaxis(o, 0, 1), s
+
+
+def unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower-triangular a [..., C, C], by forward substitution:
+    row i of T is e_i - a[i, :] @ T (rows >= i of T are still identity, and a[i, j >= i] = 0).
+    Pure jnp on purpose: XLA:CPU's LAPACK trsm custom call parallelises on the intra-op pool
+    and deadlocks when two run concurrently on a 2-thread pool (jaxlib 0.10.2)."""
+    c = a.shape[-1]
+    eye = jnp.eye(c, dtype=a.dtype)
+
+    def row(i, t):
+        r = eye[i] - jnp.einsum("...j,...jk->...k", a[..., i, :], t)
+        return t.at[..., i, :].set(r)
+    return jax.lax.fori_loop(1, c, row, jnp.broadcast_to(eye, a.shape))
 
 
 def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
@@ -50,10 +63,9 @@ def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
     decay = jnp.exp(jnp.where(lower_incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [.., C, C]
     kb = k * beta[..., None]
     a_mat = jnp.where(idx[:, None] > idx[None, :], jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
-    eye = jnp.eye(chunk, dtype=jnp.float32)
-    # (I + A) X = RHS, A strictly lower: u = T beta v, w = T beta k exp(gc)
-    u = solve_triangular(eye + a_mat, v * beta[..., None], lower=True, unit_diagonal=True)
-    w = solve_triangular(eye + a_mat, kb * jnp.exp(gc)[..., None], lower=True, unit_diagonal=True)
+    t_mat = unit_lower_inverse(a_mat)                                 # T = (I + A)^-1
+    u = jnp.einsum("...ij,...jd->...id", t_mat, v * beta[..., None])            # u = T beta v
+    w = jnp.einsum("...ij,...jd->...id", t_mat, kb * jnp.exp(gc)[..., None])    # w = T beta k exp(gc)
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay           # incl. diagonal
     q_dec = q * jnp.exp(gc)[..., None]
     g_last = gc[..., -1]                                              # [N, B, H]

@@ -78,12 +78,12 @@ def load_params(path: str, cfg: ModelConfig, dtype=jnp.bfloat16, load_mtp: bool 
 
         for spec in specs:
             if len(spec.hf_names) == 1:
-                host = spec.convert(read(spec.hf_names[0], spec.hf_shape)).astype(np_dtype)
+                host = np.array(spec.convert(read(spec.hf_names[0], spec.hf_shape)), np_dtype, order="C")
             else:
                 host = np.empty(spec.shape, np_dtype)
                 for e, name in enumerate(spec.hf_names):
                     host[e] = spec.convert(read(name, spec.hf_shape))
-            set_path(params, spec.path, jax.device_put(np.ascontiguousarray(host)))
+            set_path(params, spec.path, jax.device_put(host))
             del host
     consumed = {n for s in specs for n in s.hf_names}
     if cfg.tie_word_embeddings:
