@@ -105,7 +105,7 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
         """prompts: a str / token-id list, or a list of them. Returns one RequestOutput per prompt, in order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()
