@@ -20,8 +20,12 @@ def next_ckpt(ckpt_dir):
     return ckpt_dir("qwen3_next", hf_models.make_qwen3_next)[0]
 
 
-def _copy(src, dst):
+def _edited_copy(src, dst, edit):
+    """A copy of checkpoint `src` at `dst` whose tensor dict went through `edit` (in place)."""
     shutil.copytree(src, dst)
+    tensors = load_file(os.path.join(dst, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
     return str(dst)
 
 
@@ -63,28 +67,21 @@ def test_config_errors_name_the_field():
 
 
 def test_missing_tensor_is_named(next_ckpt, tmp_path):
-    path = _copy(next_ckpt, tmp_path / "m")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    del tensors["model.layers.1.linear_attn.A_log"]
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    path = _edited_copy(next_ckpt, tmp_path / "m", lambda t: t.pop("model.layers.1.linear_attn.A_log"))
     with pytest.raises(CheckpointError, match=r"missing tensor 'model.layers.1.linear_attn.A_log'"):
         load_params(path, ModelConfig.from_pretrained(path), jnp.float32)
 
 
 def test_misshaped_tensor_is_named(next_ckpt, tmp_path):
-    path = _copy(next_ckpt, tmp_path / "m")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    tensors["model.layers.3.self_attn.k_proj.weight"] = np.zeros((5, 64), np.float32)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    path = _edited_copy(next_ckpt, tmp_path / "m", lambda t: t.update(
+        {"model.layers.3.self_attn.k_proj.weight": np.zeros((5, 64), np.float32)}))
     with pytest.raises(CheckpointError, match=r"'model.layers.3.self_attn.k_proj.weight' has shape \(5, 64\)"):
         load_params(path, ModelConfig.from_pretrained(path), jnp.float32)
 
 
 def test_unexpected_tensor_is_named(next_ckpt, tmp_path):
-    path = _copy(next_ckpt, tmp_path / "m")
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    tensors["model.layers.0.mystery.weight"] = np.zeros((2,), np.float32)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    path = _edited_copy(next_ckpt, tmp_path / "m", lambda t: t.update(
+        {"model.layers.0.mystery.weight": np.zeros((2,), np.float32)}))
     with pytest.raises(CheckpointError, match="unexpected tensors.*model.layers.0.mystery.weight"):
         load_params(path, ModelConfig.from_pretrained(path), jnp.float32)
 
@@ -108,14 +105,11 @@ def test_sharded_equals_single_and_casts(ckpt_dir, tmp_path):
 
 
 def test_mtp_tensors_loaded_when_present(next_ckpt, tmp_path):
-    path = _copy(next_ckpt, tmp_path / "m")
-    cfg = ModelConfig.from_pretrained(path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
+    cfg = ModelConfig.from_pretrained(next_ckpt)
     rng = np.random.default_rng(0)
-    for spec in qwen3_next.mtp_specs(cfg, 1):
-        for name in spec.hf_names:
-            tensors[name] = rng.standard_normal(spec.hf_shape).astype(np.float32)
-    save_file(tensors, os.path.join(path, "model.safetensors"))
+    tensors = {name: rng.standard_normal(spec.hf_shape).astype(np.float32)
+               for spec in qwen3_next.mtp_specs(cfg, 1) for name in spec.hf_names}
+    path = _edited_copy(next_ckpt, tmp_path / "m", lambda t: t.update(tensors))
     params, n_mtp = load_params(path, cfg, jnp.float32)
     assert n_mtp == 1
     np.testing.assert_array_equal(params["mtp"]["fc"], tensors["mtp.fc.weight"].T)
