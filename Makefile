@@ -6,7 +6,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= def add(a, b):
 
-.PHONY: run test test-slow clean
+.PHONY: run test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -25,9 +25,6 @@ run: $(VENV)/.run-deps
 
 test: $(VENV)/.test-deps
 	$(PY) -m pytest -q
-
-test-slow: $(VENV)/.test-deps
-	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV)
