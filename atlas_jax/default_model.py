@@ -19,7 +19,6 @@ _SEED = 20261129
 DEFAULT_CONFIG = {  # config.json of the default model (vocab and special ids are added from the tokenizer)
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
     "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 4,
-    "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
     "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,

@@ -5,6 +5,7 @@ import argparse
 import time
 
 from . import LLM, SamplingParams
+from .engine.llm import KERNELS
 
 
 def main(argv=None) -> None:
@@ -17,7 +18,7 @@ def main(argv=None) -> None:
     ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument("--kernels", default="auto", choices=KERNELS)
     args = ap.parse_args(argv)
     prompts = args.prompt or ["def add(a, b):"]
     llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels)

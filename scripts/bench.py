@@ -22,7 +22,7 @@ from atlas_jax.default_model import DEFAULT_CONFIG
 # The default model's architecture, scaled up: 12 layers (9 GDN + 3 attention), hidden 1024, 16 experts.
 QWEN3_NEXT_12L = {
     **DEFAULT_CONFIG, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
-    "layer_types": None, "num_attention_heads": 8, "head_dim": 128, "linear_num_key_heads": 8,
+    "num_attention_heads": 8, "head_dim": 128, "linear_num_key_heads": 8,
     "linear_num_value_heads": 16, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 16,
     "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "num_nextn_predict_layers": 0, "eos_token_id": 0,
