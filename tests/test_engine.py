@@ -10,11 +10,23 @@ from atlas_jax.engine.runner import RowInput
 from atlas_jax.engine.sampler import SamplingBatch, sample
 
 
+def sampling_batch(**cols):
+    """A SamplingBatch with every field defaulted to 'off' except the given columns."""
+    import jax.numpy as jnp
+    n = len(next(iter(cols.values())))
+    defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                    frequency_penalty=0.0, num_logprobs=-1, seed=0, step=0, slot=0, prompt_len=0)
+    dtypes = dict(top_k=jnp.int32, num_logprobs=jnp.int32, seed=jnp.uint32, step=jnp.int32, slot=jnp.int32,
+                  prompt_len=jnp.int32)
+    return SamplingBatch(**{k: jnp.asarray(np.asarray(cols.get(k, [d] * n)), dtypes.get(k, jnp.float32))
+                            for k, d in defaults.items()})
+
+
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     import os
     os.environ["ATLAS_JAX_HOME"] = str(tmp_path_factory.mktemp("home"))
-    return LLM(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=128)
+    return LLM(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=128, warmup=False)
 
 
 def test_default_model_generates_text(llm):
@@ -51,10 +63,9 @@ def test_sampler_distribution():
     logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
     n = 4000
     def draw(temperature, top_k, top_p):
-        s = SamplingBatch(temperature=jnp.full((n,), temperature, jnp.float32), top_k=jnp.full((n,), top_k, jnp.int32),
-                          top_p=jnp.full((n,), top_p, jnp.float32), seed=jnp.full((n,), 5, jnp.uint32),
-                          step=jnp.arange(n, dtype=jnp.int32))
-        return np.bincount(np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), s)), minlength=4) / n
+        s = sampling_batch(temperature=np.full(n, temperature), top_k=np.full(n, top_k), top_p=np.full(n, top_p),
+                           seed=np.full(n, 5), step=np.arange(n))
+        return np.bincount(np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), s).tokens), minlength=4) / n
     np.testing.assert_allclose(draw(1.0, 0, 1.0), [0.5, 0.3, 0.15, 0.05], atol=0.03)
     assert draw(1.0, 2, 1.0)[2:].sum() == 0
     np.testing.assert_allclose(draw(1.0, 2, 1.0)[:2], [0.625, 0.375], atol=0.03)
@@ -72,8 +83,8 @@ def test_padding_rows_and_columns_are_inert(llm):
     slots = llm.slots.allocate(3)
     lengths = [3, 1, 2]
     try:
-        runner.step([RowInput(tokens=[7] * n, start=0, block_table=[pg], slot=sl)
-                     for n, pg, sl in zip(lengths, pages, slots)])
+        rows = [RowInput(tokens=[7] * n, start=0, block_table=[pg], slot=sl) for n, pg, sl in zip(lengths, pages, slots)]
+        runner.step([rows[1]], [rows[0], rows[2]])
         written = {(pg, pos) for n, pg in zip(lengths, pages) for pos in range(n)}
         for b, a in zip(before, jax.tree.leaves(runner.state)):
             a = np.asarray(a)
@@ -127,11 +138,9 @@ def test_sampled_row_independent_of_neighbours_path():
     import jax.numpy as jnp
     logits = jax.random.normal(jax.random.PRNGKey(0), (2, 300)) * 3
     def batch(t1, k1, p1, step):
-        return SamplingBatch(temperature=jnp.array([0.8, t1], jnp.float32), top_k=jnp.array([0, k1], jnp.int32),
-                             top_p=jnp.array([1.0, p1], jnp.float32), seed=jnp.array([11, 12], jnp.uint32),
-                             step=jnp.array([step, 0], jnp.int32))
+        return sampling_batch(temperature=[0.8, t1], top_k=[0, k1], top_p=[1.0, p1], seed=[11, 12], step=[step, 0])
     f = jax.jit(sample)
     for step in range(20):
-        a = f(logits, batch(0.0, 0, 1.0, step))[0]
-        b = f(logits, batch(1.0, 5, 0.5, step))[0]
+        a = f(logits, batch(0.0, 0, 1.0, step)).tokens[0]
+        b = f(logits, batch(1.0, 5, 0.5, step)).tokens[0]
         assert a == b

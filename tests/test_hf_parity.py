@@ -26,7 +26,7 @@ FAMILIES = [
 def family_llm(request, ckpt_dir):
     name, maker, kw = request.param
     path, hf = ckpt_dir(name, maker, **kw)
-    return LLM(path, dtype="float32", page_size=4, max_num_seqs=4, max_model_len=256), hf
+    return LLM(path, dtype="float32", page_size=4, max_num_seqs=4, max_model_len=256, warmup=False), hf
 
 
 def hf_logits(hf, ids):

@@ -1,12 +1,15 @@
 """ModelRunner: owns the params and the device state, and runs compiled steps.
 
-Steps are compiled ahead of time (`jit(...).lower(...).compile()`) per shape bucket and
-kept in `self._executables`; `num_compiles` counts every compilation, so a recompile in
-steady-state serving is visible. Buckets (the only shapes ever compiled):
-  B = rows, next power of two;  T = tokens per row, next power of two;
-  P = block-table width in pages, next power of two capped at max_pages_per_seq.
-Padding rows and columns are inert (see batch.StepBatch). Only sampled token ids (or, for
-`prompt_logits`, the logits the caller asked for) come back to the host.
+Every step is a tuple of padded-dense segments (batch.py) compiled ahead of time
+(`jit(...).lower(...).compile()`) per shape bucket and kept in `self._executables`;
+`num_compiles` counts every compilation, so a recompile in serving is visible. The buckets
+(`step_shapes`, all compiled by `warmup`):
+  decode:  one segment [Bd, 1], Bd a power of two <= bucket(max_num_seqs);
+  mixed:   a decode segment [Bd_max, 1] (padding rows where fewer decode) + a prefill segment
+           [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets.
+The block table always spans max_pages_per_seq pages (attention walks only the blocks the
+longest row needs), so context length is not a bucket dimension. Padding rows and columns
+are inert. Only sampled ids and, when a row asks, logprobs come back to the host.
 """
 from __future__ import annotations
 
@@ -20,8 +23,11 @@ import numpy as np
 from ..batch import StepBatch
 from ..config import ModelConfig
 from ..models.decoder import forward
-from ..state.cache import init_state
-from .sampler import SamplingBatch, sample
+from ..state.cache import ModelState, init_state
+from .sampler import SamplingBatch, PenaltyState, init_penalty_state, record_fed_tokens, sample
+from .sampling_params import SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
 
 
 @dataclasses.dataclass
@@ -30,12 +36,18 @@ class RowInput:
     tokens: list[int]          # new tokens, len >= 1
     start: int                 # tokens of this sequence already in the cache
     block_table: list[int]     # its pages, covering at least start + len(tokens) tokens
-    slot: int                  # its recurrent-state slot (0 for models without GDN layers)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
+    slot: int                  # its recurrent-state / penalty-history slot
+    params: SamplingParams = _GREEDY
     seed: int = 0
     step: int = 0              # tokens this request has sampled so far
+    prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+    model: ModelState
+    penalties: PenaltyState
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -43,38 +55,96 @@ def bucket(n: int, cap: int | None = None) -> int:
     return min(b, cap) if cap else b
 
 
-def _step(cfg, params, state, batch, sampling):
-    logits, _, state = forward(params, state, batch, cfg)
-    return sample(logits, sampling), state
+def powers_of_two(cap: int) -> list[int]:
+    return [1 << i for i in range(bucket(cap).bit_length())]
 
 
-def _logits_step(cfg, params, state, batch):
-    logits, _, state = forward(params, state, batch, cfg, all_logits=True)
-    return logits, state
+def _step(cfg, params, state: EngineState, segments, sampling, prompt_lens):
+    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
+    logits, _, model = forward(params, state.model, segments, cfg)
+    return sample(logits, sampling, penalties), EngineState(model, penalties)
+
+
+def _logits_step(cfg, params, state: EngineState, segments):
+    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True)
+    return logits, EngineState(model, state.penalties)
+
+
+def _save(params, state: EngineState, pages, slot):
+    """Copy of one sequence's device state: its KV pages, recurrent slot and penalty history."""
+    del params
+    kv = tuple((k[pages], v[pages]) for k, v in state.model.kv)
+    ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
+    return (kv, ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
+
+
+def _restore(params, state: EngineState, pages, slot, saved):
+    """Inverse of _save into (possibly other) pages and slot; pages == num_pages are dropped."""
+    del params
+    kv_s, ssm_s, in_prompt, out_count = saved
+    kv = tuple((k.at[pages].set(ks, mode="drop"), v.at[pages].set(vs, mode="drop"))
+               for (k, v), (ks, vs) in zip(state.model.kv, kv_s))
+    ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
+    pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
+                       state.penalties.out_count.at[slot].set(out_count))
+    return None, EngineState(ModelState(kv=kv, ssm=ssm), pen)
+
+
+def prefill_token_buckets(max_chunk: int) -> list[int]:
+    """Tp buckets: 16, 64, 256, ... (x4) below max_chunk, and max_chunk itself."""
+    out, t = [], 16
+    while t < max_chunk:
+        out.append(t)
+        t *= 4
+    return out + [max_chunk]
 
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
-                 max_pages_per_seq: int, dtype):
+                 max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int):
         self.cfg = cfg
         self.params = params
+        self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_slots
         self.max_pages_per_seq = max_pages_per_seq
-        self.state = init_state(cfg, num_pages, page_size, num_slots, dtype)
+        self.decode_buckets = powers_of_two(max_num_seqs)
+        self.prefill_row_buckets = powers_of_two(max_prefill_rows)
+        self.prefill_token_buckets = prefill_token_buckets(max_prefill_chunk)
+        self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype),
+                                 init_penalty_state(num_slots, cfg.vocab_size))
         self._jitted = {
             "step": jax.jit(functools.partial(_step, cfg), donate_argnums=(1,)),
             "logits": jax.jit(functools.partial(_logits_step, cfg), donate_argnums=(1,)),
+            "save": jax.jit(_save, donate_argnums=(1,)),
+            "restore": jax.jit(_restore, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
 
+    # ---- buckets -----------------------------------------------------------------------------
+    def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
+        """Every segment-shape tuple `step` can run (what warmup compiles)."""
+        bd = self.decode_buckets[-1]
+        shapes = [((b, 1),) for b in self.decode_buckets]
+        shapes += [((bd, 1), (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
+        return shapes
+
+    def swap_buckets(self) -> list[int]:
+        return powers_of_two(self.max_pages_per_seq)
+
+    def _prefill_shape(self, rows) -> tuple[int, int]:
+        n = max(len(r.tokens) for r in rows)
+        tp = next((t for t in self.prefill_token_buckets if t >= n), None)
+        bp = next((b for b in self.prefill_row_buckets if b >= len(rows)), None)
+        if tp is None or bp is None:
+            raise ValueError(f"{len(rows)} prefill rows of up to {n} tokens exceed the compiled buckets "
+                             f"(rows <= {self.prefill_row_buckets[-1]}, tokens <= {self.prefill_token_buckets[-1]})")
+        return bp, tp
+
     # ---- host -> device metadata -----------------------------------------------------------
-    def _batch(self, rows: list[RowInput], t_bucket: int | None = None) -> StepBatch:
-        b = bucket(len(rows))
-        t = t_bucket or bucket(max(len(r.tokens) for r in rows))
-        need = max(-(-(r.start + len(r.tokens)) // self.page_size) for r in rows)
-        p = bucket(need, self.max_pages_per_seq)
+    def _segment(self, rows: list[RowInput], b: int, t: int) -> StepBatch:
+        p = self.max_pages_per_seq
         tokens = np.zeros((b, t), np.int32)
         q_len = np.zeros((b,), np.int32)
         start = np.zeros((b,), np.int32)
@@ -84,18 +154,30 @@ class ModelRunner:
             n = len(r.tokens)
             if not 1 <= n <= t:
                 raise ValueError(f"row {i} has {n} new tokens for a {t}-token bucket")
+            if -(-(r.start + n) // self.page_size) > min(len(r.block_table), p):
+                raise ValueError(f"row {i} needs pages for {r.start + n} tokens; it has {len(r.block_table)}")
             tokens[i, :n] = r.tokens
             q_len[i], start[i], slot[i] = n, r.start, r.slot
-            table[i, :len(r.block_table[:p])] = r.block_table[:p]
+            table[i, :len(r.block_table)] = r.block_table
         return StepBatch(tokens=jnp.asarray(tokens), q_len=jnp.asarray(q_len), start=jnp.asarray(start),
                          block_table=jnp.asarray(table), slot=jnp.asarray(slot))
 
     def _sampling(self, rows: list[RowInput], b: int) -> SamplingBatch:
         pad = b - len(rows)
-        col = lambda f, dt: jnp.asarray(np.array([getattr(r, f) for r in rows] + [0] * pad, dt))
-        return SamplingBatch(temperature=col("temperature", np.float32), top_k=col("top_k", np.int32),
-                             top_p=jnp.asarray(np.array([r.top_p for r in rows] + [1.0] * pad, np.float32)),
-                             seed=col("seed", np.uint32), step=col("step", np.int32))
+
+        def col(get, dt, fill):
+            return jnp.asarray(np.array([get(r) for r in rows] + [fill] * pad, dt))
+        return SamplingBatch(
+            temperature=col(lambda r: r.params.temperature, np.float32, 0.0),
+            top_k=col(lambda r: r.params.top_k, np.int32, 0),
+            top_p=col(lambda r: r.params.top_p, np.float32, 1.0),
+            min_p=col(lambda r: r.params.min_p, np.float32, 0.0),
+            repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32, 1.0),
+            presence_penalty=col(lambda r: r.params.presence_penalty, np.float32, 0.0),
+            frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32, 0.0),
+            num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32, -1),
+            seed=col(lambda r: r.seed, np.uint32, 0), step=col(lambda r: r.step, np.int32, 0),
+            slot=col(lambda r: r.slot, np.int32, self.num_slots), prompt_len=col(lambda r: r.prompt_len, np.int32, 0))
 
     def _run(self, kind: str, *args):
         key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
@@ -108,13 +190,96 @@ class ModelRunner:
         return out
 
     # ---- steps ------------------------------------------------------------------------------
-    def step(self, rows: list[RowInput]) -> np.ndarray:
-        """Run one forward over `rows` and sample one token per row -> [len(rows)] int32."""
-        batch = self._batch(rows)
-        tokens = self._run("step", batch, self._sampling(rows, batch.tokens.shape[0]))
-        return np.asarray(tokens)[:len(rows)]
+    def step(self, decode: list[RowInput], prefill: list[RowInput] = ()) -> dict[str, np.ndarray]:
+        """One forward over decode rows (1 token each) and prefill rows (a chunk each), sampling one
+        token per row. Returns host arrays indexed like `decode + prefill`: tokens, and (when some row
+        asked) logprob, top_ids, top_logprobs."""
+        rows = list(decode) + list(prefill)
+        if not rows:
+            raise ValueError("a step needs at least one row")
+        if len(decode) > self.decode_buckets[-1]:
+            raise ValueError(f"{len(decode)} decode rows; the largest bucket is {self.decode_buckets[-1]}")
+        if any(len(r.tokens) != 1 for r in decode):
+            raise ValueError("decode rows carry exactly one token")
+        if prefill:
+            bd = self.decode_buckets[-1]
+            segments = (self._segment(decode, bd, 1), self._segment(prefill, *self._prefill_shape(prefill)))
+            sampling_rows = list(decode) + [None] * (bd - len(decode)) + list(prefill)
+        else:
+            segments = (self._segment(decode, bucket(len(decode)), 1),)
+            sampling_rows = list(decode)
+        b = sum(s.tokens.shape[0] for s in segments)
+        live = [i for i, r in enumerate(sampling_rows) if r is not None]
+        sampling = self._sampling_with_gaps(sampling_rows, b)
+        prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
+                                                 np.int32))
+                            for s, rs in zip(segments, (decode, prefill) if prefill else (decode,)))
+        out = self._run("step", segments, sampling, prompt_lens)
+        result = {"tokens": np.asarray(out.tokens)[live]}
+        if any(r.params.logprobs is not None for r in rows):
+            result.update(logprob=np.asarray(out.logprob)[live], top_ids=np.asarray(out.top_ids)[live],
+                          top_logprobs=np.asarray(out.top_logprobs)[live])
+        return result
+
+    def _sampling_with_gaps(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
+        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots)
+        return self._sampling([r if r is not None else filler for r in rows], b)
 
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
-        """Like `step`, but returns the fp32 logits of every new token: one [len(tokens), V] per row."""
-        logits = np.asarray(self._run("logits", self._batch(rows)))
+        """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
+        t = bucket(max(len(r.tokens) for r in rows))
+        (logits,) = self._run("logits", (self._segment(rows, bucket(len(rows)), t),))
+        logits = np.asarray(logits)
         return [logits[i, :len(r.tokens)] for i, r in enumerate(rows)]
+
+    # ---- swap (preemption) ------------------------------------------------------------------
+    def save_sequence_state(self, pages: list[int], slot: int):
+        """Host copy (numpy pytree) of a sequence's KV pages, recurrent slot and penalty history."""
+        nb = bucket(len(pages))
+        ids = jnp.asarray(np.array(list(pages) + [0] * (nb - len(pages)), np.int32))
+        saved = self._run("save", ids, jnp.asarray(slot, jnp.int32))
+        host = jax.device_get(saved)
+        kv = tuple((k[:len(pages)], v[:len(pages)]) for k, v in host[0])
+        return (kv,) + tuple(host[1:])
+
+    def restore_sequence_state(self, pages: list[int], slot: int, saved) -> None:
+        """Write a `save_sequence_state` copy into `pages` (same count) and `slot`, bit-exactly."""
+        kv_host = saved[0]
+        if kv_host and len(kv_host[0][0]) != len(pages):
+            raise ValueError(f"saved state has {len(kv_host[0][0])} pages; {len(pages)} given")
+        nb = bucket(len(pages))
+        pad = nb - len(pages)
+        ids = jnp.asarray(np.array(list(pages) + [self.num_pages] * pad, np.int32))
+        kv = tuple((np.concatenate([k, np.zeros((pad,) + k.shape[1:], k.dtype)]),
+                    np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])) for k, v in kv_host)
+        self._run("restore", ids, jnp.asarray(slot, jnp.int32), (kv,) + tuple(saved[1:]))
+
+    # ---- warm-up ----------------------------------------------------------------------------
+    def warmup(self, swap: bool = False, progress: bool = True) -> int:
+        """Compile every serving bucket now (lowered from abstract shapes, nothing runs).
+        Returns the number of new compilations."""
+        from tqdm import tqdm
+        before = self.num_compiles
+        jobs = [("step", s) for s in self.step_shapes()]
+        if swap:
+            jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
+        for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
+            self._compile_abstract(kind, shape)
+        return self.num_compiles - before
+
+    def _compile_abstract(self, kind, shape) -> None:
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+        if kind == "step":
+            segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b)) for b, t in shape)
+            b = sum(bb for bb, _ in shape)
+            f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
+            sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
+                                     jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b), i32(b))
+            args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
+        else:
+            saved = jax.eval_shape(lambda st: _save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
+            args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
+        key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        if key not in self._executables:
+            self._executables[key] = self._jitted[kind].lower(self.params, self.state, *args).compile()
+            self.num_compiles += 1

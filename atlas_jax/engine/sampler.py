@@ -1,11 +1,19 @@
-"""On-device sampling: greedy, temperature, top-k, top-p; one RNG stream per request.
+"""On-device sampling: penalties, greedy, temperature, top-k, top-p, min-p, logprobs; one RNG
+stream per request.
 
 A row's random key is fold_in(PRNGKey(seed), step), where step counts the tokens that
 request has sampled so far, and the draw is always taken over the row's logits in vocabulary
 order: a request's output never depends on what else shares the batch, nor on which of the
 paths below the batch took.
-Cost: an all-greedy batch computes only argmax; top-k / top-p masks (a sort over the
-vocabulary, slow on CPU) are built only when some sampling row asks for them.
+
+Penalties (vLLM semantics) read a per-slot token history kept on device (`PenaltyState`):
+which ids occur in the prompt, and how often each id occurs in the output. It is updated from
+the tokens a step *feeds* (positions < prompt_len are prompt, the rest output), so it always
+describes exactly the tokens in the cache: a re-prefill after preemption rebuilds it, and a
+row whose first chunk starts at 0 clears its slot's history first.
+
+Cost: an all-greedy batch without penalties computes only argmax; the penalty gather, the
+top-k/top-p sort (slow on CPU) and the top-n logprobs run only when some row asks for them.
 """
 from __future__ import annotations
 
@@ -14,15 +22,69 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+MAX_LOGPROBS = 20
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SamplingBatch:
-    temperature: jax.Array   # [B] f32; 0 = greedy
-    top_k: jax.Array         # [B] i32; 0 = off
-    top_p: jax.Array         # [B] f32 in (0, 1]; 1 = off
-    seed: jax.Array          # [B] u32
-    step: jax.Array          # [B] i32 tokens sampled so far by the row's request
+    temperature: jax.Array         # [B] f32; 0 = greedy
+    top_k: jax.Array               # [B] i32; 0 = off
+    top_p: jax.Array               # [B] f32 in (0, 1]; 1 = off
+    min_p: jax.Array               # [B] f32 in [0, 1]; 0 = off
+    repetition_penalty: jax.Array  # [B] f32 > 0; 1 = off
+    presence_penalty: jax.Array    # [B] f32; 0 = off
+    frequency_penalty: jax.Array   # [B] f32; 0 = off
+    num_logprobs: jax.Array        # [B] i32; -1 = none, n >= 0: sampled token + top n
+    seed: jax.Array                # [B] u32
+    step: jax.Array                # [B] i32 tokens sampled so far by the row's request
+    slot: jax.Array                # [B] i32 the row's penalty-history slot (num_slots for padding)
+    prompt_len: jax.Array          # [B] i32 the request's prompt length (fed positions below it are prompt)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+    in_prompt: jax.Array    # [S, V] bool
+    out_count: jax.Array    # [S, V] i32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOut:
+    tokens: jax.Array       # [B] i32
+    logprob: jax.Array      # [B] f32 log-softmax of the raw logits at the sampled token
+    top_ids: jax.Array      # [B, MAX_LOGPROBS] i32 (zeros unless some row asked)
+    top_logprobs: jax.Array  # [B, MAX_LOGPROBS] f32
+
+
+def init_penalty_state(num_slots: int, vocab: int) -> PenaltyState:
+    return PenaltyState(jnp.zeros((num_slots, vocab), bool), jnp.zeros((num_slots, vocab), jnp.int32))
+
+
+def record_fed_tokens(ps: PenaltyState, segments, prompt_lens) -> PenaltyState:
+    """Add the tokens each segment feeds to its rows' histories (see module doc)."""
+    in_prompt, out_count = ps.in_prompt, ps.out_count
+    none = in_prompt.shape[0]
+    for seg, plen in zip(segments, prompt_lens):
+        fresh_slot = jnp.where(seg.start == 0, seg.slot, none)
+        in_prompt = in_prompt.at[fresh_slot].set(False, mode="drop")
+        out_count = out_count.at[fresh_slot].set(0, mode="drop")
+        slot = jnp.broadcast_to(seg.slot[:, None], seg.tokens.shape)
+        is_prompt = seg.positions < plen[:, None]
+        in_prompt = in_prompt.at[jnp.where(seg.valid & is_prompt, slot, none), seg.tokens].set(True, mode="drop")
+        out_count = out_count.at[jnp.where(seg.valid & ~is_prompt, slot, none), seg.tokens].add(1, mode="drop")
+    return PenaltyState(in_prompt, out_count)
+
+
+def _apply_penalties(logits, s: SamplingBatch, ps: PenaltyState):
+    in_prompt = jnp.take(ps.in_prompt, s.slot, axis=0, mode="fill", fill_value=False)
+    count = jnp.take(ps.out_count, s.slot, axis=0, mode="fill", fill_value=0)
+    seen = in_prompt | (count > 0)
+    rep = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rep, logits * rep), logits)
+    return (logits - s.frequency_penalty[:, None] * count
+            - s.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
 
 
 def _top_k_top_p_mask(scaled, top_k, top_p):
@@ -41,12 +103,33 @@ def _draw(logits, s: SamplingBatch):
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     filtered = jnp.any((s.temperature > 0) & ((s.top_k > 0) | (s.top_p < 1.0)))
     scaled = jax.lax.cond(filtered, jax.vmap(_top_k_top_p_mask), lambda x, k, p: x, scaled, s.top_k, s.top_p)
+    probs = jax.nn.softmax(scaled, axis=-1)
+    keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    scaled = jnp.where(keep, scaled, -jnp.inf)
     keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seed, s.step)
     return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
 
 
-def sample(logits, s: SamplingBatch):
-    """logits [B, V] fp32 -> token ids [B] int32."""
+def _logprobs(logits, tokens, s: SamplingBatch):
+    lp = jax.nn.log_softmax(logits, axis=-1)
+    chosen = jnp.take_along_axis(lp, tokens[:, None], axis=1)[:, 0]
+    k = min(MAX_LOGPROBS, logits.shape[-1])
+    top_lp, top_ids = jax.lax.top_k(lp, k)
+    pad = MAX_LOGPROBS - k
+    return chosen, jnp.pad(top_ids, ((0, 0), (0, pad))).astype(jnp.int32), jnp.pad(top_lp, ((0, 0), (0, pad)))
+
+
+def sample(logits, s: SamplingBatch, ps: PenaltyState | None = None) -> SampleOut:
+    """logits [B, V] fp32 (raw model output) -> SampleOut. Logprobs are of the raw logits."""
+    raw = logits
+    if ps is not None:
+        penalised = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0))
+        logits = jax.lax.cond(penalised, _apply_penalties, lambda l, s, ps: l, logits, s, ps)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, s: greedy, logits, s)
-    return jnp.where(s.temperature > 0, drawn, greedy)
+    tokens = jnp.where(s.temperature > 0, drawn, greedy)
+    b = logits.shape[0]
+    empty = (jnp.zeros((b,), jnp.float32), jnp.zeros((b, MAX_LOGPROBS), jnp.int32),
+             jnp.zeros((b, MAX_LOGPROBS), jnp.float32))
+    lp = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _logprobs, lambda *_: empty, raw, tokens, s)
+    return SampleOut(tokens, *lp)

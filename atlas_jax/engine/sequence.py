@@ -1,12 +1,52 @@
-"""Sequence: one request's host-side life (tokens, pages, slot, stop check)."""
+"""Sequence: one request's host-side life — tokens, cache progress, pages, slot, stop checks,
+text, logprobs, metrics.
+
+Cache progress is one number: `num_cached` tokens of `prompt_ids + output_ids` have their
+KV / recurrent state in the cache. The next row feeds tokens [num_cached, num_cached + n); a
+row whose chunk reaches the last known token samples the next one. So decode (one token
+behind), chunked prefill and re-prefill after a recompute preemption (num_cached reset to 0,
+outputs kept) are the same rule, and tokens already produced are never re-sampled.
+"""
 from __future__ import annotations
 
 import dataclasses
+import enum
+import time
 
+from .detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
 @dataclasses.dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_preemptions: int = 0
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def decode_tokens_per_s(self) -> float | None:
+        """Tokens after the first, per second since the first."""
+        if self.finished_time is None or self.first_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.num_generated_tokens - 1) / max(self.finished_time - self.first_token_time, 1e-9)
+
+
+@dataclasses.dataclass(eq=False)
 class Sequence:
     request_id: str
     prompt: str | None
@@ -14,30 +54,79 @@ class Sequence:
     params: SamplingParams
     seed: int                                  # resolved RNG seed
     max_len: int                               # prompt + generated tokens never exceed this
+    order: int = 0                             # arrival order (scheduling priority)
+    detok: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
-    num_cached: int = 0                        # tokens whose KV / recurrent state is in the cache
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    num_cached: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
-    slot: int = 0
-    finish_reason: str | None = None
+    slot: int | None = None
+    swapped_state: object = None               # host copy while SWAPPED
+    status: Status = Status.WAITING
+    finish_reason: str | None = None           # stop | length | abort | timeout | error
+    stop_reason: int | str | None = None       # the stop token id or stop string that ended it
+    error: str | None = None
+    metrics: RequestMetrics = None             # set in __post_init__
+    request: object = None                     # the engine's Request this sequence belongs to
+
+    def __post_init__(self):
+        if self.metrics is None:
+            self.metrics = RequestMetrics(arrival_time=time.monotonic(), num_prompt_tokens=len(self.prompt_ids))
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
     @property
-    def prefilling(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
-    def next_tokens(self, chunk: int) -> list[int]:
-        """Tokens to feed next: a prompt chunk, or the last sampled token when decoding."""
-        if self.prefilling:
-            return self.prompt_ids[self.num_cached:self.num_cached + chunk]
-        return self.output_ids[-1:]
+    @property
+    def num_uncached(self) -> int:
+        return self.num_tokens - self.num_cached
 
-    def append(self, token: int, eos_ids: tuple[int, ...]) -> None:
+    @property
+    def decoding(self) -> bool:
+        return self.num_uncached == 1 and bool(self.output_ids)
+
+    def next_tokens(self, n: int) -> list[int]:
+        """The next n uncached tokens (prompt, or outputs being re-prefilled, or the last sampled)."""
+        lo, hi = self.num_cached, self.num_cached + n
+        p = len(self.prompt_ids)
+        return self.prompt_ids[lo:min(hi, p)] + self.output_ids[max(lo - p, 0):max(hi - p, 0)]
+
+    def append(self, token: int, eos_ids: tuple[int, ...], logprobs: dict[int, float] | None = None) -> None:
+        """Record a sampled token and decide whether the request is done."""
         self.output_ids.append(token)
+        now = time.monotonic()
+        if self.metrics.first_token_time is None:
+            self.metrics.first_token_time = now
+        self.metrics.num_generated_tokens = len(self.output_ids)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+            self.cumulative_logprob += logprobs[token]
         p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in eos_ids):
-            self.finish_reason = "stop"
-        elif len(self.output_ids) >= p.max_tokens or len(self.prompt_ids) + len(self.output_ids) >= self.max_len:
-            self.finish_reason = "length"
+        if self.detok is not None and self.detok.update(self.output_ids):
+            self.finish("stop", self.detok.stop_reason)
+        elif token in p.stop_token_ids:
+            self.finish("stop", token)
+        elif not p.ignore_eos and token in eos_ids:
+            self.finish("stop", None)
+        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= self.max_len:
+            self.finish("length")
+
+    def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
+        if self.finished:
+            return
+        self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+        self.status = Status.FINISHED
+        self.metrics.finished_time = time.monotonic()
+        if self.detok is not None:
+            self.detok.flush(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""

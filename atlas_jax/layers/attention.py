@@ -1,16 +1,19 @@
 """Grouped-query attention over the paged KV cache (pure-XLA path).
 
-The chunk's K/V are written into their pages first; every query row then attends to
-its sequence's pages [0, start + q_len) with a causal limit at its own position. That is
-"earlier pages plus causal inside the chunk" in one masked pass.
+Each segment's new K/V are written into their pages first; every query row then attends to
+its sequence's pages [0, start + q_len) with a causal limit at its own position: "earlier
+pages plus causal inside the chunk" in one masked pass. The KV axis is walked in blocks of
+KV_BLOCK_TOKENS with an online softmax, for a trip count set at run time by the longest
+sequence in the step, so the compiled step does not depend on context length.
 """
 import jax
 import jax.numpy as jnp
 
+from ..batch import join_segments, split_segments
 from .norms import rms_norm
 from .rope import apply_rope
 
-_MASKED = -1e30  # finite, so an all-masked padding row stays NaN-free
+KV_BLOCK_TOKENS = 256
 
 
 def write_kv(pages, new, batch):
@@ -27,42 +30,68 @@ def write_kv(pages, new, batch):
 
 
 def paged_attention(q, k_pages, v_pages, batch, scale: float):
-    """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> out [B, T, H, D]."""
+    """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> out [B, T, H, D].
+    A padding row (q_len 0) gets zeros."""
     b, t, h, d = q.shape
-    hkv = k_pages.shape[2]
-    k = k_pages[batch.block_table].reshape(b, -1, hkv, d)                    # [B, L, Hkv, D]
-    v = v_pages[batch.block_table].reshape(b, -1, hkv, d)
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    table = batch.block_table
+    block_pages = max(1, min(table.shape[1], KV_BLOCK_TOKENS // page_size))
+    if table.shape[1] % block_pages:
+        table = jnp.pad(table, ((0, 0), (0, block_pages - table.shape[1] % block_pages)))
+    blk = block_pages * page_size
     qg = q.reshape(b, t, hkv, h // hkv, d)
-    s = jnp.einsum("btkgd,blkd->bkgtl", qg, k, preferred_element_type=jnp.float32) * scale
-    kv_pos = jnp.arange(k.shape[1], dtype=jnp.int32)
-    limit = jnp.minimum(batch.positions, (batch.start + batch.q_len - 1)[:, None])   # [B, T]
-    mask = kv_pos[None, None, :] <= limit[:, :, None]                               # [B, T, L]
-    s = jnp.where(mask[:, None, None], s, _MASKED)
-    p = jax.nn.softmax(s, axis=-1)
-    o = jnp.einsum("bkgtl,blkd->btkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return o.reshape(b, t, h, d).astype(q.dtype)
+    limit = jnp.minimum(batch.positions, (batch.start + batch.q_len - 1)[:, None])     # [B, T]
+    num_blocks = (jnp.max(batch.start + batch.q_len) + blk - 1) // blk
+
+    def block(j, carry):
+        m, l, acc = carry
+        pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)
+        k = k_pages[pages].reshape(b, blk, hkv, d)
+        v = v_pages[pages].reshape(b, blk, hkv, d)
+        s = jnp.einsum("btkgd,blkd->bkgtl", qg, k, preferred_element_type=jnp.float32) * scale
+        mask = (j * blk + jnp.arange(blk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]   # [B, T, L]
+        mask = mask[:, None, None]
+        m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
+        p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+        corr = jnp.exp(m - m_new)
+        l = l * corr + jnp.sum(p, axis=-1)
+        acc = acc * corr[..., None] + jnp.einsum("bkgtl,blkd->bkgtd", p.astype(v.dtype), v,
+                                                 preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    shape = (b, hkv, h // hkv, t)
+    init = (jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32),
+            jnp.zeros(shape + (d,), jnp.float32))
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, block, init)
+    o = acc / jnp.maximum(l, 1e-30)[..., None]                                          # [B, Hkv, G, T, D]
+    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype)
 
 
-def attention_layer(p, x, kv, batch, cos, sin, cfg):
+def attention_layer(p, x, kv, segments, cos, sin, cfg):
     """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, q_norm,
-    k_norm; kv = (k_pages, v_pages). x [B, T, H] -> ([B, T, H], kv)."""
-    b, t, _ = x.shape
+    k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
+    Returns ([N, H], kv)."""
+    n = x.shape[0]
     hd = cfg.head_dim
     q = x @ p["q"] + p["q_bias"] if "q_bias" in p else x @ p["q"]
     k = x @ p["k"] + p["k_bias"] if "k_bias" in p else x @ p["k"]
     v = x @ p["v"] + p["v_bias"] if "v_bias" in p else x @ p["v"]
     if cfg.attn_output_gate:
-        q, gate = jnp.split(q.reshape(b, t, cfg.num_heads, 2 * hd), 2, axis=-1)
-        gate = gate.reshape(b, t, cfg.num_heads * hd)
+        q, gate = jnp.split(q.reshape(n, cfg.num_heads, 2 * hd), 2, axis=-1)
+        gate = gate.reshape(n, cfg.num_heads * hd)
     else:
-        q = q.reshape(b, t, cfg.num_heads, hd)
-    k = k.reshape(b, t, cfg.num_kv_heads, hd)
-    v = v.reshape(b, t, cfg.num_kv_heads, hd)
+        q = q.reshape(n, cfg.num_heads, hd)
+    k = k.reshape(n, cfg.num_kv_heads, hd)
+    v = v.reshape(n, cfg.num_kv_heads, hd)
     q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), cos, sin)
     k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), cos, sin)
-    k_pages = write_kv(kv[0], k, batch)
-    v_pages = write_kv(kv[1], v, batch)
-    o = paged_attention(q, k_pages, v_pages, batch, hd ** -0.5).reshape(b, t, -1)
+    k_pages, v_pages = kv
+    outs = []
+    for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):
+        k_pages = write_kv(k_pages, k_s, seg)
+        v_pages = write_kv(v_pages, v_s, seg)
+        outs.append(paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5))
+    o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
     o = o @ p["o"] + p["o_bias"] if "o_bias" in p else o @ p["o"]

@@ -9,6 +9,7 @@ g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert.
 import jax
 import jax.numpy as jnp
 
+from ..batch import join_segments, split_segments
 from .norms import l2_normalize, rms_norm_gated
 
 CHUNK = 64
@@ -96,19 +97,12 @@ def causal_conv(x, conv_state, w, q_len):
     return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(new_state, 1, 2)
 
 
-def gdn_layer(p, x, ssm, batch, cfg):
-    """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
-    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K-1]).
-    x [B, T, H] -> ([B, T, H], ssm)."""
-    b, t, _ = x.shape
+def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
+    """The sequence-local part of one segment: conv, recurrence, state write-back.
+    mixed [B, T, C] (q|k|v before the conv); a_gate, b_gate [B, T, Hv]. Returns (o [B, T, Hv, Dv] fp32, ssm)."""
+    b, t, _ = mixed.shape
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
-    qkvz = (x @ p["qkvz"]).reshape(b, t, hk, 2 * dk + 2 * r * dv)
-    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-    ba = (x @ p["ba"]).reshape(b, t, hk, 2 * r)
-    b_gate, a_gate = ba[..., :r].reshape(b, t, hv), ba[..., r:].reshape(b, t, hv)
-    mixed = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1), v.reshape(b, t, -1)], axis=-1)
-
     h_pool, conv_pool = ssm
     fresh = (batch.start == 0)[:, None, None]                  # a sequence's first chunk starts from zero state
     conv_in = jnp.take(conv_pool, batch.slot, axis=0, mode="fill", fill_value=0)
@@ -130,9 +124,27 @@ def gdn_layer(p, x, ssm, batch, cfg):
     s0 = jnp.where(fresh[..., None], 0.0, s0)
     core = recurrent if t <= RECURRENT_MAX_T else chunked
     o, s1 = core(q, k, v, g, beta, s0)
-
-    o = rms_norm_gated(o.astype(x.dtype), z.reshape(b, t, hv, dv), p["norm"], cfg.rms_norm_eps)
-    out = o.reshape(b, t, hv * dv) @ p["out"]
     h_pool = h_pool.at[batch.slot].set(s1, mode="drop")
     conv_pool = conv_pool.at[batch.slot].set(conv_out.astype(conv_pool.dtype), mode="drop")
-    return out, (h_pool, conv_pool)
+    return o, (h_pool, conv_pool)
+
+
+def gdn_layer(p, x, ssm, segments, cfg):
+    """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
+    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K-1]).
+    x [N, H] flat over the segments -> ([N, H], ssm)."""
+    n = x.shape[0]
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    qkvz = (x @ p["qkvz"]).reshape(n, hk, 2 * dk + 2 * r * dv)
+    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+    ba = (x @ p["ba"]).reshape(n, hk, 2 * r)
+    b_gate, a_gate = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
+    mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+    outs = []
+    for seg, m_s, a_s, b_s in zip(segments, *(split_segments(a, segments) for a in (mixed, a_gate, b_gate))):
+        o, ssm = gdn_mix(m_s, a_s, b_s, ssm, seg, p, cfg)
+        outs.append(o)
+    o = join_segments(outs)                                          # [N, Hv, Dv]
+    o = rms_norm_gated(o.astype(x.dtype), z.reshape(n, hv, dv), p["norm"], cfg.rms_norm_eps)
+    return o.reshape(n, hv * dv) @ p["out"], ssm

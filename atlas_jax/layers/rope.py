@@ -11,10 +11,10 @@ def rope_cos_sin(positions, rotary_dim: int, theta: float):
 
 
 def apply_rope(x, cos, sin):
-    """x [B, T, H, D]; cos/sin [B, T, R] with R <= D: rotate the first R dims, pass the rest."""
+    """x [..., H, D]; cos/sin [..., R] with R <= D: rotate the first R dims, pass the rest."""
     r = cos.shape[-1]
     xr, xp = x[..., :r].astype(jnp.float32), x[..., r:]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    c, s = cos[..., None, :], sin[..., None, :]
     half = r // 2
     rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
     out = (xr * c + rotated * s).astype(x.dtype)

@@ -1,6 +1,8 @@
 """The decoder forward shared by every family: embed -> layers -> final norm -> logits.
 
-`forward(params, state, batch, cfg)` is pure: it returns new state instead of mutating it.
+`forward(params, state, segments, cfg)` is pure: it returns new state instead of mutating it.
+Hidden states live on one flat token axis [N, H] over all segments (batch.py), so every
+matmul, norm and FFN is one op per layer whatever mix of decode rows and prefill chunks.
 Layer i's mixer is attention or GDN by `cfg.layer_types[i]`; its FFN is MoE or dense by
 `cfg.moe_layers[i]`. The i-th attention layer owns state.kv[i], the i-th GDN layer state.ssm[i].
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ..batch import StepBatch
+from ..batch import StepBatch, split_segments
 from ..config import FULL_ATTENTION, ModelConfig
 from ..layers.attention import attention_layer
 from ..layers.gdn import gdn_layer
@@ -20,14 +22,14 @@ from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
 
 
-def decoder_layer(p, x, layer_state, batch, cos, sin, cfg: ModelConfig, i: int):
+def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int):
     """One pre-norm residual block. Returns (x, layer_state)."""
     with jax.named_scope(f"layer_{i}"):
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            h, layer_state = attention_layer(p["attn"], h, layer_state, batch, cos, sin, cfg)
+            h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg)
         else:
-            h, layer_state = gdn_layer(p["gdn"], h, layer_state, batch, cfg)
+            h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.moe_layers[i]:
@@ -42,22 +44,28 @@ def lm_head(params, x):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def forward(params, state: ModelState, batch: StepBatch, cfg: ModelConfig, all_logits: bool = False):
-    """Returns (logits, hidden, state). logits: [B, V] fp32 at each row's last new token, or
-    [B, T, V] with all_logits; hidden: final-normed hidden states at the same positions."""
-    x = jnp.take(params["embed"], batch.tokens, axis=0)                       # [B, T, H]
-    cos, sin = rope_cos_sin(batch.positions, cfg.rotary_dim, cfg.rope_theta)
+def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False):
+    """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
+    (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
+    hidden: final-normed hidden states at the same positions."""
+    tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
+    x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
+    positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
+    cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     kv, ssm = list(state.kv), list(state.ssm)
     n_attn = n_gdn = 0
     for i, p in enumerate(params["layers"]):
         if cfg.layer_types[i] == FULL_ATTENTION:
-            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], batch, cos, sin, cfg, i)
+            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i)
             n_attn += 1
         else:
-            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], batch, cos, sin, cfg, i)
+            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i)
             n_gdn += 1
-    if not all_logits:
-        last = jnp.maximum(batch.q_len - 1, 0)
-        x = jnp.take_along_axis(x, last[:, None, None], axis=1)[:, 0]          # [B, H]
-    x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-    return lm_head(params, x), x, ModelState(kv=tuple(kv), ssm=tuple(ssm))
+    new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
+    if all_logits:
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        return split_segments(lm_head(params, x), segments), split_segments(x, segments), new_state
+    last = [jnp.take_along_axis(x_s, jnp.maximum(s.q_len - 1, 0)[:, None, None], axis=1)[:, 0]
+            for s, x_s in zip(segments, split_segments(x, segments))]
+    x = rms_norm(jnp.concatenate(last), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    return lm_head(params, x), x, new_state

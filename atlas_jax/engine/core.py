@@ -1,0 +1,220 @@
+"""EngineCore: the synchronous engine — requests in, one scheduled step at a time, outputs out.
+
+Owns the ModelRunner (device state, compiled steps) and the Scheduler (host queues, pages,
+slots). `LLM` drives it in a loop; `AsyncLLM` drives it from a background thread. Requests
+are validated in `add_request` before they touch any state, so a bad request is refused with
+a ValueError and never disturbs the ones in flight.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..state.allocator import BlockAllocator, SlotAllocator
+from .detokenizer import IncrementalDetokenizer
+from .outputs import CompletionOutput, RequestOutput
+from .runner import ModelRunner, RowInput
+from .sampling_params import SamplingParams
+from .scheduler import Scheduler, SchedulerConfig, default_watermark
+from .sequence import Sequence
+
+
+class Request:
+    """One client request: its n sequences and what has been streamed of them."""
+
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
+                 seqs: list[Sequence]):
+        self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
+        self._sent = [(0, 0)] * len(seqs)      # (text chars, tokens) already streamed per sequence (delta kind)
+        self.error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+    def output(self, kind: str | None = None) -> RequestOutput:
+        """kind: cumulative (everything so far), delta (what is new since the last call), final_only."""
+        kind = kind or self.params.output_kind
+        outs = []
+        for i, s in enumerate(self.seqs):
+            text = s.detok.visible_text(s.finished) if s.detok is not None else ""
+            ids, lps = list(s.output_ids), s.logprobs
+            if kind == "delta":
+                sent_text, sent_ids = self._sent[i]
+                self._sent[i] = (len(text), len(ids))
+                text, ids = text[sent_text:], ids[sent_ids:]
+                lps = lps[sent_ids:] if lps is not None else None
+            outs.append(CompletionOutput(index=i, text=text, token_ids=ids, finish_reason=s.finish_reason,
+                                         stop_reason=s.stop_reason, logprobs=lps,
+                                         cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
+                             outputs=outs, finished=self.finished, metrics=self.seqs[0].metrics, error=self.error)
+
+
+class EngineCore:
+    def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
+                 max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
+                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int):
+        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
+                        ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.max_model_len = max_model_len
+        max_pages_per_seq = -(-max_model_len // page_size)
+        self.num_pages = int(num_pages or max_num_seqs * max_pages_per_seq)
+        self.blocks = BlockAllocator(self.num_pages, page_size)
+        self.slots = SlotAllocator(max_num_seqs)
+        self.runner = ModelRunner(cfg, params, num_pages=self.num_pages, page_size=page_size, num_slots=max_num_seqs,
+                                  max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
+                                  max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows)
+        budget = max_num_batched_tokens or max(512, max_prefill_chunk)
+        if budget < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")
+        self.sched_config = SchedulerConfig(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
+            max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,
+            swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages))
+        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner))
+        self.requests: dict[str, Request] = {}
+        self._seed_rng = np.random.default_rng(seed)
+        self._order = itertools.count()
+        self._ids = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ---------------------------------------------------------------------------
+    def encode(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+            return prompt, self.tokenizer.encode(prompt)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise ValueError("a prompt is a string or a list of token ids") from None
+        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+        if bad:
+            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+        return None, ids
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and queue a request; raises ValueError (nothing queued) when it can never run."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        text, ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             f"(the prompt must leave room for at least one new token)")
+        max_len = min(self.max_model_len, len(ids) + params.max_tokens)
+        if self.blocks.pages_for(max_len) > self.num_pages:
+            raise ValueError(f"request needs {self.blocks.pages_for(max_len)} KV pages of {self.blocks.page_size} "
+                             f"tokens; the cache has {self.num_pages}")
+        seqs = []
+        for i in range(params.n):
+            seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._seed_rng.integers(2**32))
+            detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
+                                            params.include_stop_str_in_output) if self.tokenizer is not None else None)
+            seqs.append(Sequence(request_id=request_id, prompt=text, prompt_ids=ids, params=params, seed=seed,
+                                 max_len=max_len, order=next(self._order), detok=detok))
+        req = Request(request_id, text, ids, params, seqs)
+        for s in seqs:
+            s.request = req
+            self.scheduler.add(s)
+        self.requests[request_id] = req
+        return req
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
+        req = self.requests.pop(str(request_id), None)
+        if req is not None:
+            for s in req.seqs:
+                s.finish(reason, error=error)
+                self.scheduler.remove(s)
+            req.error = error
+        return req
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """Schedule and run one step. Returns the requests that got tokens (or finished)."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            if self.scheduler.has_work():
+                raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
+            return []
+        now = time.monotonic()
+        work = [(s, 1) for s in plan.decode] + plan.prefill
+        for s, _ in work:
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+        rows = [self._row(s, n) for s, n in work]
+        out = self.runner.step(rows[:len(plan.decode)], rows[len(plan.decode):])
+        self.num_steps += 1
+        touched = {}
+        for i, (seq, n) in enumerate(work):
+            seq.num_cached += n
+            if seq.num_uncached:
+                continue                                  # a prompt chunk that did not reach the end
+            seq.append(int(out["tokens"][i]), self.cfg.eos_token_ids, self._logprobs(seq, out, i))
+            touched[seq.request.request_id] = seq.request
+            if seq.finished:
+                self.scheduler.remove(seq)
+        for rid, req in touched.items():
+            if req.finished:
+                self.requests.pop(rid, None)
+        return list(touched.values())
+
+    def _row(self, seq: Sequence, n: int) -> RowInput:
+        return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
+                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids))
+
+    @staticmethod
+    def _logprobs(seq: Sequence, out, i: int) -> dict[int, float] | None:
+        k = seq.params.logprobs
+        if k is None:
+            return None
+        lp = {int(t): float(v) for t, v in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])}
+        lp[int(out["tokens"][i])] = float(out["logprob"][i])
+        return lp
+
+    # ---- introspection ----------------------------------------------------------------------
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    def stats(self) -> dict:
+        s = self.scheduler
+        return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
+                "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
+                "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
+                "num_compiles": self.num_compiles, "num_steps": self.num_steps}
+
+    def warmup(self, progress: bool = True) -> int:
+        return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress)
+
+
+class _Swapper:
+    """The scheduler's view of the runner for swap preemption."""
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+
+    def save(self, pages, slot):
+        return self.runner.save_sequence_state(pages, slot)
+
+    def restore(self, pages, slot, state) -> None:
+        self.runner.restore_sequence_state(pages, slot, state)
+
+    @staticmethod
+    def nbytes(state) -> int:
+        import jax
+        return sum(np.asarray(a).nbytes for a in jax.tree.leaves(state))
