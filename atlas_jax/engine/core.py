@@ -100,13 +100,12 @@ class EngineCore:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
         return None, ids
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        """Validate and queue a request; raises ValueError (nothing queued) when it can never run."""
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        """Validate and build a request without queueing it; raises ValueError when it can never run.
+        Touches no engine state, so any thread may call it."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
         text, ids = self.encode(prompt)
         if not ids:
             raise ValueError("prompt is empty")
@@ -127,8 +126,19 @@ class EngineCore:
         req = Request(request_id, text, ids, params, seqs)
         for s in seqs:
             s.request = req
+        return req
+
+    def submit(self, req: Request) -> None:
+        """Queue a request built by make_request (engine thread only)."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
+        self.requests[req.request_id] = req
+        for s in req.seqs:
             self.scheduler.add(s)
-        self.requests[request_id] = req
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id)
+        self.submit(req)
         return req
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:

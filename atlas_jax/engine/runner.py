@@ -121,6 +121,7 @@ class ModelRunner:
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
+        self.step_counts = {"decode": 0, "mixed": 0}    # steps run, by kind
 
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
@@ -215,6 +216,7 @@ class ModelRunner:
                                                  np.int32))
                             for s, rs in zip(segments, (decode, prefill) if prefill else (decode,)))
         out = self._run("step", segments, sampling, prompt_lens)
+        self.step_counts["mixed" if prefill else "decode"] += 1
         result = {"tokens": np.asarray(out.tokens)[live]}
         if any(r.params.logprobs is not None for r in rows):
             result.update(logprob=np.asarray(out.logprob)[live], top_ids=np.asarray(out.top_ids)[live],

@@ -1,0 +1,167 @@
+"""AsyncLLM: the streaming interface the server uses.
+
+The EngineCore runs its step loop in one background thread and is touched by no other
+thread; callers talk to it through a command queue (add / abort) and get outputs back
+through one asyncio.Queue per request, filled with `loop.call_soon_threadsafe`.
+
+    llm = AsyncLLM.from_llm(LLM(...))      # or AsyncLLM(model, **LLM kwargs)
+    async for out in llm.generate(prompt, SamplingParams(...), request_id="r1"):
+        ...                                # RequestOutput, cumulative / delta / final_only
+    await llm.abort("r1")
+
+Leaving the `async for` early (client gone, task cancelled) aborts the request and frees its
+pages. If a step raises, every in-flight request fails with EngineDeadError and the engine
+accepts no more requests (`errored` says why).
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from typing import AsyncIterator
+
+from .core import EngineCore, Request
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class _Finished:
+    """Sentinel on a request stream: no more outputs."""
+
+
+class AsyncLLM:
+    def __init__(self, model: str | None = None, **llm_kwargs):
+        from .llm import LLM
+        self._init(LLM(model, **llm_kwargs))
+
+    @classmethod
+    def from_llm(cls, llm) -> "AsyncLLM":
+        self = cls.__new__(cls)
+        self._init(llm)
+        return self
+
+    def _init(self, llm) -> None:
+        self.llm = llm
+        self.engine: EngineCore = llm.engine
+        self.tokenizer = llm.tokenizer
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.errored: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="atlas_jax-engine", daemon=True)
+        self._thread.start()
+
+    # ---- caller side -------------------------------------------------------------------------
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and self.errored is None
+
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
+        """Validate (ValueError on bad input) and queue a request; returns it and its output queue."""
+        if self.errored is not None:
+            raise EngineDeadError(f"engine failed: {self.errored!r}")
+        if self._stop.is_set():
+            raise EngineDeadError("engine is shutting down")
+        req = self.engine.make_request(prompt, params, request_id)
+        stream: asyncio.Queue = asyncio.Queue()
+        with self._lock:
+            if req.request_id in self._streams:
+                raise ValueError(f"request id {req.request_id!r} is already in flight")
+            self._streams[req.request_id] = (asyncio.get_running_loop(), stream)
+        self._commands.put(("add", req))
+        return req, stream
+
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        req, stream = self.add_request(prompt, params, request_id)
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if item is _Finished:
+                    finished = True
+                    return
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                yield item
+        finally:
+            if not finished:
+                self._commands.put(("abort", req.request_id, "abort"))
+
+    async def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._commands.put(("abort", str(request_id), reason))
+
+    def abort_nowait(self, request_id: str, reason: str = "abort") -> None:
+        self._commands.put(("abort", str(request_id), reason))
+
+    def shutdown(self, timeout: float | None = 30.0) -> None:
+        """Stop the loop after aborting whatever is still in flight."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    # ---- engine thread -----------------------------------------------------------------------
+    def _push(self, request_id: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(request_id)
+            if entry is not None and (item is _Finished or isinstance(item, BaseException)):
+                del self._streams[request_id]
+        if entry is not None:
+            loop, stream = entry
+            try:
+                loop.call_soon_threadsafe(stream.put_nowait, item)
+            except RuntimeError:            # the caller's loop is closed
+                pass
+
+    def _emit(self, req: Request) -> None:
+        if req.params.output_kind != "final_only" or req.finished:
+            self._push(req.request_id, req.output())
+        if req.finished:
+            self._push(req.request_id, _Finished)
+
+    def _handle(self, cmd) -> None:
+        if cmd[0] == "add":
+            req = cmd[1]
+            try:
+                self.engine.submit(req)
+            except ValueError as e:
+                self._push(req.request_id, e)
+        elif cmd[0] == "abort":
+            req = self.engine.abort(cmd[1], reason=cmd[2])
+            if req is not None:
+                self._emit(req)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                block = not self.engine.has_unfinished()
+                try:
+                    cmd = self._commands.get(block=block, timeout=0.1 if block else None)
+                    self._handle(cmd)
+                    while True:
+                        self._handle(self._commands.get_nowait())
+                except queue.Empty:
+                    pass
+                if self.engine.has_unfinished():
+                    for req in self.engine.step():
+                        self._emit(req)
+        except BaseException as e:           # noqa: BLE001 — the engine is dead; fail everyone loudly
+            self.errored = e
+            err = EngineDeadError(f"engine step failed: {e!r}")
+            for rid in list(self.engine.requests):
+                self.engine.requests.pop(rid, None)
+                self._push(rid, err)
+            with self._lock:
+                pending = list(self._streams)
+            for rid in pending:
+                self._push(rid, err)
+            return
+        for rid in list(self.engine.requests):          # shutdown: abort what is left
+            req = self.engine.abort(rid)
+            if req is not None:
+                self._emit(req)

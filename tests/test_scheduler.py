@@ -1,0 +1,193 @@
+"""Engine invariants under continuous batching, on the embedded default model (GDN + attention
++ MoE): batch invariance across batch mates, chunk sizes, mixed steps and preemption; order
+independence and replay; bit-exact swap; no leaks; no compiles after warm-up."""
+import dataclasses
+import random
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+
+from atlas_jax import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    import os
+    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
+    llm = LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
+              max_num_batched_tokens=128, warmup=True, progress=False)
+    assert llm.num_warmup_compiles == llm.num_compiles > 0
+    return llm
+
+
+def tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_no_leaks(llm):
+    assert llm.blocks.num_free == llm.num_pages and llm.slots.num_free == llm.max_num_seqs
+    assert not llm.engine.requests and not llm.engine.scheduler.has_work()
+
+
+@pytest.fixture
+def scheduler_config(llm):
+    """Lets a test change scheduler knobs (chunk size, preemption mode) on the shared engine."""
+    sched = llm.engine.scheduler
+    saved = sched.config
+    yield lambda **kw: setattr(sched, "config", dataclasses.replace(saved, **kw))
+    sched.config = saved
+
+
+@pytest.fixture
+def memory_pressure(llm):
+    """Holds all but n KV pages, so the engine must preempt to make progress."""
+    held = []
+
+    def hold(free: int):
+        held.extend(llm.blocks.allocate(llm.blocks.num_free - free))
+
+    def release():
+        llm.blocks.free(held)
+        held.clear()
+    hold.release = release
+    yield hold
+    release()
+
+
+PROMPTS = random_prompts(512, [23, 5, 61, 2, 40, 17, 9, 33], seed=11)
+
+
+@pytest.fixture(scope="module")
+def alone(llm):
+    """Each prompt's greedy tokens when it runs by itself."""
+    return [llm.generate(p, GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+
+
+@pytest.mark.parametrize("chunk", [1, 16, 64])
+def test_batch_invariance_across_chunk_sizes_and_mixed_steps(llm, alone, scheduler_config, chunk):
+    scheduler_config(max_prefill_chunk=chunk)
+    before = dict(llm.runner.step_counts)
+    assert tokens(llm.generate(PROMPTS, GREEDY)) == alone
+    if chunk > 1:                       # prefill chunks shared steps with decode rows
+        assert llm.runner.step_counts["mixed"] > before["mixed"]
+    assert_no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_batch_invariance_under_preemption(llm, alone, scheduler_config, memory_pressure, mode):
+    scheduler_config(preemption_mode=mode)
+    memory_pressure(free=14)            # 112 tokens of KV for 8 requests that need ~230
+    before = dict(llm.engine.scheduler.num_preemptions)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions[mode] > before[mode]
+    assert tokens(outs) == alone
+    assert any(o.metrics.num_preemptions for o in outs)
+
+
+def test_sampled_outputs_survive_preemption(llm, scheduler_config, memory_pressure):
+    params = [SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, seed=100 + i, ignore_eos=True,
+                             presence_penalty=0.5, repetition_penalty=1.2) for i in range(len(PROMPTS))]
+    free_run = tokens(llm.generate(PROMPTS, params))
+    for mode in ("swap", "recompute"):
+        scheduler_config(preemption_mode=mode)
+        memory_pressure(free=14)
+        assert tokens(llm.generate(PROMPTS, params)) == free_run
+        memory_pressure.release()
+    assert_no_leaks(llm)
+
+
+def test_order_independence_and_replay(llm, alone):
+    rng = random.Random(5)
+    sampled = [SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=7 + i, ignore_eos=True)
+               for i in range(len(PROMPTS))]
+    reference = tokens(llm.generate(PROMPTS, sampled))
+    order = list(range(len(PROMPTS)))
+    rng.shuffle(order)
+    shuffled = tokens(llm.generate([PROMPTS[i] for i in order], [sampled[i] for i in order]))
+    assert [shuffled[order.index(i)] for i in range(len(PROMPTS))] == reference
+    # one request replayed 12 times between others of random lengths: byte-identical each time
+    others = random_prompts(512, [rng.randint(1, 60) for _ in range(12)], seed=12)
+    mixed, params = [], []
+    for o in others:
+        mixed += [o, PROMPTS[2]]
+        params += [SamplingParams(max_tokens=rng.randint(1, 20), temperature=1.0, seed=rng.randint(0, 99)), GREEDY]
+    outs = tokens(llm.generate(mixed, params))
+    assert all(t == alone[2] for t in outs[1::2])
+    assert_no_leaks(llm)
+
+
+def test_swap_round_trip_is_bit_exact(llm):
+    eng = llm.engine
+    req = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    seq = req.seqs[0]
+    while seq.num_cached < 50:
+        eng.step()
+    used = seq.pages[:llm.blocks.pages_for(seq.num_cached)]
+    saved = llm.runner.save_sequence_state(used, seq.slot)
+    new_pages = llm.blocks.allocate(len(used))
+    new_slot = llm.slots.allocate(1)[0]
+    try:
+        llm.runner.restore_sequence_state(new_pages, new_slot, saved)
+        state = jax.device_get(llm.runner.state)
+        for (k, v) in state.model.kv:
+            np.testing.assert_array_equal(k[new_pages], k[used])
+            np.testing.assert_array_equal(v[new_pages], v[used])
+        for (h, conv) in state.model.ssm:
+            np.testing.assert_array_equal(h[new_slot], h[seq.slot])
+            np.testing.assert_array_equal(conv[new_slot], conv[seq.slot])
+        np.testing.assert_array_equal(state.penalties.out_count[new_slot], state.penalties.out_count[seq.slot])
+        np.testing.assert_array_equal(state.penalties.in_prompt[new_slot], state.penalties.in_prompt[seq.slot])
+    finally:
+        llm.blocks.free(new_pages)
+        llm.slots.free([new_slot])
+        eng.abort(req.request_id)
+    assert_no_leaks(llm)
+
+
+def test_bad_requests_do_not_disturb_requests_in_flight(llm, alone):
+    eng = llm.engine
+    reqs = [eng.add_request(p, GREEDY) for p in PROMPTS[:4]]
+    eng.step()
+    eng.step()
+    for bad_prompt, bad_params in (([1] * 200, GREEDY), ([], GREEDY), ([1, 10**6], GREEDY),
+                                   ([1, 2], "not params")):
+        with pytest.raises(ValueError):
+            eng.add_request(bad_prompt, bad_params)
+    for bad in (dict(temperature=-1.0), dict(top_p=1.5), dict(top_p=0.0), dict(max_tokens=0),
+                dict(min_p=2.0), dict(presence_penalty=3.0), dict(repetition_penalty=0.0), dict(logprobs=99),
+                dict(temperature=float("nan")), dict(stop=[""])):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+    while eng.has_unfinished():
+        eng.step()
+    assert [r.output().outputs[0].token_ids for r in reqs] == alone[:4]
+    assert_no_leaks(llm)
+
+
+def test_request_that_can_never_fit_is_refused(llm):
+    with pytest.raises(ValueError, match="max_model_len is 128"):
+        llm.generate([3] * 128, GREEDY)
+
+
+def test_no_compiles_after_warmup_over_random_workload(llm, scheduler_config, memory_pressure):
+    rng = np.random.default_rng(3)
+    before = llm.num_compiles
+    prompts = [list(map(int, rng.integers(0, 512, rng.integers(1, 100)))) for _ in range(50)]
+    params = []
+    for i in range(50):
+        kind = i % 5
+        params.append(SamplingParams(
+            max_tokens=int(rng.integers(1, 28)), ignore_eos=bool(i % 2), seed=i,
+            temperature=0.0 if kind == 0 else 0.9, top_k=20 if kind == 2 else 0, top_p=0.8 if kind == 3 else 1.0,
+            min_p=0.05 if kind == 4 else 0.0, frequency_penalty=0.3 if kind == 1 else 0.0,
+            logprobs=3 if kind == 2 else None, n=2 if i % 7 == 0 else 1))
+    memory_pressure(free=30)              # and some preemption on the way
+    outs = llm.generate(prompts, params)
+    assert llm.num_compiles == before
+    assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs)
+    assert sum(len(o.outputs) for o in outs) == sum(p.n for p in params)
