@@ -26,3 +26,13 @@ def ckpt_dir(tmp_path_factory):
 def random_prompts(vocab, lengths, seed=0):
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(0, vocab, n)] for n in lengths]
+
+
+@pytest.fixture(scope="session")
+def default_llm(tmp_path_factory):
+    """The embedded default model (Qwen3-Next: GDN + attention + MoE) on one warmed-up engine,
+    shared by every engine-level test module (compiling is the expensive part)."""
+    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
+    from atlas_jax import LLM
+    return LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
+               max_num_batched_tokens=128, warmup=True, progress=False)

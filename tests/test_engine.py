@@ -5,7 +5,7 @@ import pytest
 
 from conftest import random_prompts
 
-from atlas_jax import LLM, SamplingParams
+from atlas_jax import SamplingParams
 from atlas_jax.engine.runner import RowInput
 from atlas_jax.engine.sampler import SamplingBatch, sample
 
@@ -23,10 +23,8 @@ def sampling_batch(**cols):
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    import os
-    os.environ["ATLAS_JAX_HOME"] = str(tmp_path_factory.mktemp("home"))
-    return LLM(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=128, warmup=False)
+def llm(default_llm):
+    return default_llm
 
 
 def test_default_model_generates_text(llm):
@@ -110,7 +108,7 @@ def test_stop_token_and_eos(llm):
 
 
 def test_more_requests_than_seqs_and_no_leaks(llm):
-    prompts = random_prompts(llm.cfg.vocab_size, [3, 30, 12, 5, 9, 21, 2], seed=8)
+    prompts = random_prompts(llm.cfg.vocab_size, [3, 30, 12, 5, 9, 21, 2, 14, 6, 40, 1], seed=8)
     p = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     outs = llm.generate(prompts, p)
     singles = [llm.generate(pr, p)[0].outputs[0].token_ids for pr in prompts[:3]]

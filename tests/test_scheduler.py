@@ -10,19 +10,15 @@ import pytest
 
 from conftest import random_prompts
 
-from atlas_jax import LLM, SamplingParams
+from atlas_jax import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def llm(tmp_path_factory):
-    import os
-    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
-    llm = LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
-              max_num_batched_tokens=128, warmup=True, progress=False)
-    assert llm.num_warmup_compiles == llm.num_compiles > 0
-    return llm
+def llm(default_llm):
+    assert default_llm.num_warmup_compiles > 0
+    return default_llm
 
 
 def tokens(outs):

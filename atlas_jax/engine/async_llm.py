@@ -154,7 +154,10 @@ class AsyncLLM:
             self.errored = e
             err = EngineDeadError(f"engine step failed: {e!r}")
             for rid in list(self.engine.requests):
-                self.engine.requests.pop(rid, None)
+                try:
+                    self.engine.abort(rid, reason="error", error=str(err))
+                except Exception:            # noqa: BLE001 — host bookkeeping only; keep failing the rest
+                    self.engine.requests.pop(rid, None)
                 self._push(rid, err)
             with self._lock:
                 pending = list(self._streams)

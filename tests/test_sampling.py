@@ -1,0 +1,110 @@
+"""Sampling features against independent host references: penalties (vLLM semantics) and
+logprobs recomputed in numpy from the engine's own prompt logits of prompt + output, min-p
+support, stop strings and incremental detokenisation against the tokenizer, n > 1, metrics."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from test_engine import sampling_batch
+
+from atlas_jax import SamplingParams
+from atlas_jax.engine.sampler import sample
+
+
+@pytest.fixture(scope="module")
+def llm(default_llm):
+    return default_llm
+
+
+def log_softmax(x):
+    x = x - x.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def penalised(logits, prompt, output, rep, pres, freq):
+    """vLLM's penalties, written independently in numpy."""
+    logits = logits.astype(np.float64).copy()
+    counts = np.bincount(np.asarray(output, int), minlength=len(logits)) if output else np.zeros(len(logits))
+    seen = counts > 0
+    seen[list(set(prompt))] = True
+    logits[seen] = np.where(logits[seen] > 0, logits[seen] / rep, logits[seen] * rep)
+    return logits - freq * counts - pres * (counts > 0)
+
+
+# negative / below-one values encourage repeats, so the penalties change this random model's path
+@pytest.mark.parametrize("rep,pres,freq", [(1.0, 0.0, 0.0), (0.3, 0.0, 0.0), (1.0, -2.0, 0.0), (1.5, -0.5, -1.0)])
+def test_greedy_with_penalties_and_logprobs_match_numpy(llm, rep, pres, freq):
+    prompt = random_prompts(llm.cfg.vocab_size, [5], seed=21)[0] * 4        # repetitive: penalties bite
+    p = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=rep,
+                       presence_penalty=pres, frequency_penalty=freq, logprobs=5)
+    out = llm.generate(prompt, p)[0].outputs[0]
+    logits = llm.prompt_logits(prompt + out.token_ids)                      # [len, V]
+    for i, tok in enumerate(out.token_ids):
+        raw = logits[len(prompt) + i - 1]
+        assert tok == int(np.argmax(penalised(raw, prompt, out.token_ids[:i], rep, pres, freq)))
+        ref = log_softmax(raw.astype(np.float64))
+        lp = out.logprobs[i]
+        assert lp[tok] == pytest.approx(ref[tok], abs=1e-4)
+        top5 = [t for t in lp if t != tok or len(lp) == 5]
+        assert set(np.argsort(-ref)[:5].tolist()) <= set(lp) and len(lp) in (5, 6)
+        for t in top5:
+            assert lp[t] == pytest.approx(ref[t], abs=1e-4)
+    assert out.cumulative_logprob == pytest.approx(sum(lp[t] for lp, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_penalties_change_sampling_and_reset_per_request(llm):
+    prompt = random_prompts(llm.cfg.vocab_size, [4], seed=22)[0] * 5
+    plain = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    strong = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, frequency_penalty=-2.0, presence_penalty=-2.0)
+    a = llm.generate(prompt, plain)[0].outputs[0].token_ids
+    b = llm.generate(prompt, strong)[0].outputs[0].token_ids
+    c = llm.generate(prompt, plain)[0].outputs[0].token_ids      # slot reuse must not carry history over
+    assert a == c and a != b
+    assert len(set(b)) < len(set(a))
+
+
+def test_min_p_support():
+    logits = jnp.log(jnp.array([0.5, 0.3, 0.15, 0.05]))
+    n = 4000
+    s = sampling_batch(temperature=np.ones(n), min_p=np.full(n, 0.4), seed=np.full(n, 3), step=np.arange(n))
+    freq = np.bincount(np.asarray(jax.jit(sample)(jnp.tile(logits, (n, 1)), s).tokens), minlength=4) / n
+    assert freq[2:].sum() == 0
+    np.testing.assert_allclose(freq[:2], [0.625, 0.375], atol=0.03)
+
+
+def test_incremental_text_equals_full_decode(llm):
+    for seed in range(4):
+        prompt = random_prompts(llm.cfg.vocab_size, [6], seed=30 + seed)[0]
+        out = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=1.0, seed=seed, ignore_eos=True))[0]
+        c = out.outputs[0]
+        assert c.text == llm.tokenizer.decode(c.token_ids)
+
+
+def test_stop_strings(llm):
+    prompt = "def fibonacci(n):"
+    free = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    text = free.text
+    stop = next(text[i:i + 3] for i in range(4, len(text) - 3) if text[i:i + 3].strip() and "\ufffd" not in text[i:i + 3])
+    cut = text.find(stop)
+    out = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=[stop, "@@never@@"]))[0]
+    c = out.outputs[0]
+    assert (c.text, c.finish_reason, c.stop_reason) == (text[:cut], "stop", stop)
+    assert c.token_ids == free.token_ids[:len(c.token_ids)] and len(c.token_ids) < len(free.token_ids)
+    assert llm.tokenizer.decode(c.token_ids).startswith(text[:cut] + stop)
+    incl = llm.generate(prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True, stop=stop,
+                                               include_stop_str_in_output=True))[0].outputs[0]
+    assert incl.text == text[:cut] + stop
+
+
+def test_n_completions_and_metrics(llm):
+    out = llm.generate("Hello", SamplingParams(n=3, max_tokens=8, temperature=1.0, seed=5, ignore_eos=True))[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    single = llm.generate("Hello", SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True))[0]
+    assert single.outputs[0].token_ids == out.outputs[1].token_ids       # child i draws with seed + i
+    m = out.metrics
+    assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generated_tokens == 8
+    assert 0 < m.time_to_first_token <= m.finished_time - m.arrival_time
+    assert m.decode_tokens_per_s > 0
