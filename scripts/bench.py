@@ -1,12 +1,14 @@
 """Decode / prefill throughput of atlas_jax on one checkpoint. Prints one JSON object.
 
-    python scripts/bench.py CKPT [--batch 1,8] [--prompt 128] [--new 64] [--dtype auto]
+    python scripts/bench.py CKPT [--batch 1,8,32] [--prompt 128] [--new 64] [--dtype auto] [--vs-hf]
     python scripts/bench.py --make qwen3-next-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
-Reports tokens/s, the weight bytes one decode step must read (dense weights + the top-k
-experts' share), the achieved GB/s, and the machine's memory read bandwidth measured in the
-same run (numpy sum over 256 MB) for scale. Compile time is excluded: each shape is run
-once to warm up before it is timed.
+Reports tokens/s per batch size, the weight bytes one decode step must read (dense weights +
+the top-k experts' share), the achieved GB/s, the machine's memory read bandwidth measured in
+the same run (numpy sum over 256 MB) for scale, and the compile count after warm-up (the
+engine compiles every bucket up front; serving must add none). Each measurement is the best
+of two runs. With --vs-hf, HF transformers (torch, CPU) runs the same prompts on the same
+checkpoint in the same process, and the JSON carries the ratios atlas_jax / HF.
 """
 import argparse
 import json
@@ -62,6 +64,7 @@ def main():
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--vs-hf", action="store_true", help="also measure HF transformers (torch CPU) side by side")
     args = ap.parse_args()
     ckpt = args.ckpt
     if args.make:
@@ -72,34 +75,69 @@ def main():
     batches = [int(b) for b in args.batch.split(",")]
     t0 = time.perf_counter()
     llm = LLM(ckpt, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.prompt + args.new + 16,
-              max_prefill_chunk=args.prompt)
+              max_prefill_chunk=min(args.prompt, 512), preemption_mode="recompute", progress=False)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     step_bytes = decode_bytes(llm)
+    bandwidth = memory_bandwidth_gbs()
     result = {"checkpoint": ckpt, "dtype": str(llm.dtype), "backend": jax.default_backend(),
-              "prompt": args.prompt, "new": args.new, "load_s": round(load_s, 2),
-              "weight_bytes_per_decode_step": step_bytes, "memory_read_gbs": round(memory_bandwidth_gbs(), 2),
-              "batches": {}}
+              "prompt": args.prompt, "new": args.new, "load_and_warmup_s": round(load_s, 2),
+              "warmup_compiles": llm.num_warmup_compiles,
+              "weight_bytes_per_decode_step": step_bytes, "memory_read_gbs": round(bandwidth, 2), "batches": {}}
+    hf = _load_hf(ckpt, llm.dtype) if args.vs_hf else None
     for b in batches:
         prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)] for _ in range(b)]
         full = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        llm.generate(prompts, full)                       # warm-up: compiles every shape used below
         compiles = llm.num_compiles
         t_prefill = min(_timed(lambda: llm.generate(prompts, first)) for _ in range(2))
         t_total = min(_timed(lambda: llm.generate(prompts, full)) for _ in range(2))
         t_decode = t_total - t_prefill
         steps = args.new - 1
-        result["batches"][b] = {
+        row = result["batches"][b] = {
             "prefill_tokens_per_s": round(b * args.prompt / t_prefill, 1),
             "decode_tokens_per_s": round(b * steps / t_decode, 1),
             "decode_step_ms": round(1e3 * t_decode / steps, 3),
             "decode_achieved_gbs": round(step_bytes * steps / t_decode / 1e9, 2),
             "compiles_after_warmup": llm.num_compiles - compiles,
         }
-    result["roofline_fraction_b1"] = (round(result["batches"][1]["decode_achieved_gbs"] / result["memory_read_gbs"], 3)
-                                      if 1 in result["batches"] else None)
+        if hf is not None:
+            hf_prefill, hf_decode = _hf_throughput(hf, prompts, args.new)
+            row.update(hf_prefill_tokens_per_s=round(hf_prefill, 1), hf_decode_tokens_per_s=round(hf_decode, 1),
+                       prefill_vs_hf=round(row["prefill_tokens_per_s"] / hf_prefill, 2),
+                       decode_vs_hf=round(row["decode_tokens_per_s"] / hf_decode, 2))
+    if 1 in result["batches"]:
+        b1 = result["batches"][1]
+        result["roofline_fraction_b1"] = round(b1["decode_achieved_gbs"] / result["memory_read_gbs"], 3)
+        result["roofline_decode_step_ms_b1"] = round(1e3 * step_bytes / (bandwidth * 1e9), 2)
+        top = max(batches)
+        if top != 1:
+            result[f"decode_b{top}_over_b1"] = round(result["batches"][top]["decode_tokens_per_s"]
+                                                     / b1["decode_tokens_per_s"], 2)
     print(json.dumps(result))
+
+
+def _load_hf(ckpt: str, dtype):
+    import torch
+    from transformers import AutoModelForCausalLM
+    torch.set_num_threads(os.cpu_count())
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32 if str(dtype) == "float32" else torch.bfloat16)
+    return model.eval()
+
+
+def _hf_throughput(model, prompts, new: int) -> tuple[float, float]:
+    """HF transformers on the same prompts: (prefill tokens/s, decode tokens/s), best of two."""
+    import torch
+    ids = torch.tensor(prompts)
+    mask = torch.ones_like(ids)
+
+    def gen(n):
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    gen(2)                                                    # warm-up
+    t_prefill = min(_timed(lambda: gen(1)) for _ in range(2))
+    t_total = min(_timed(lambda: gen(new)) for _ in range(2))
+    return ids.numel() / t_prefill, len(prompts) * (new - 1) / (t_total - t_prefill)
 
 
 if __name__ == "__main__":
