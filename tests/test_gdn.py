@@ -65,7 +65,7 @@ def test_causal_conv_chunks_and_state():
     x = rng.standard_normal((t, c)).astype(np.float32)
     w = rng.standard_normal((c, kw)).astype(np.float32)
     ref = _conv_reference(x, w)
-    state = jnp.zeros((1, c, kw - 1))
+    state = jnp.zeros((1, c, kw))
     outs = []
     for lo, hi in [(0, 1), (1, 3), (3, 10), (10, 23)]:   # chunks shorter and longer than the kernel
         chunk = np.zeros((1, 8 if hi - lo <= 8 else 16, c), np.float32)

@@ -3,9 +3,9 @@
 Queues: `waiting` (FCFS; recompute-preempted sequences go back to its front), `running`
 (in arrival order, at most max_num_seqs, each holding a slot), `swapped` (state on the host).
 Each step spends a token budget (max_num_batched_tokens): first swapped sequences come back,
-then every running sequence gets its next token(s) — a decode token or a prefill chunk of
-<= max_prefill_chunk — and then waiting sequences are admitted while slots, prefill rows,
-budget and pages (above a watermark) allow. Rows of one token form the decode segment, longer
+then every decoding sequence gets its next token, then running sequences still in prefill
+get a chunk of <= max_prefill_chunk, and then waiting sequences are admitted while slots,
+prefill rows, budget and pages (above a watermark) allow. Rows of one token form the decode segment, longer
 chunks the prefill segment of the same mixed step.
 
 Pages are allocated as a sequence grows. When a running sequence needs a page and none is
@@ -95,7 +95,8 @@ class Scheduler:
         cfg = self.config
         chosen: dict[Sequence, int] = {}
         self._swap_in()
-        for seq in list(self.running):
+        decoding = [s for s in self.running if s.num_uncached == 1]       # decode rows first: 1 token each
+        for seq in decoding + [s for s in self.running if s.num_uncached > 1]:
             if seq not in self.running:                       # preempted while making room for another
                 continue
             budget = cfg.max_num_batched_tokens - sum(chosen.values())

@@ -18,20 +18,19 @@ KV_BLOCK_TOKENS = 256
 
 def write_kv(pages, new, batch):
     """pages [P, S, Hkv, D]; new [B, T, Hkv, D] -> pages with valid tokens scattered in.
-    Padding tokens get an out-of-range index and are dropped."""
+    Padding tokens get an out-of-range page and are dropped. (Scattering on the 4-D pool, not a
+    flattened view, keeps one layout of the result for every reader: no pool copies.)"""
     num_pages, page_size = pages.shape[:2]
     pos = batch.positions                                                  # [B, T]
     page = jnp.take_along_axis(batch.block_table, pos // page_size, axis=1, mode="clip")
-    flat = page * page_size + pos % page_size
-    flat = jnp.where(batch.valid, flat, num_pages * page_size)
-    out = pages.reshape(num_pages * page_size, *pages.shape[2:])
-    out = out.at[flat.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
-    return out.reshape(pages.shape)
+    page = jnp.where(batch.valid, page, num_pages)
+    return pages.at[page.reshape(-1), (pos % page_size).reshape(-1)].set(
+        new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
 
 
 def paged_attention(q, k_pages, v_pages, batch, scale: float):
-    """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> out [B, T, H, D].
-    A padding row (q_len 0) gets zeros."""
+    """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> (out [B, T, H, D],
+    k_pages, v_pages) — the same pages, to be used in place of the inputs. A padding row gets zeros."""
     b, t, h, d = q.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
     table = batch.block_table
@@ -44,7 +43,7 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float):
     num_blocks = (jnp.max(batch.start + batch.q_len) + blk - 1) // blk
 
     def block(j, carry):
-        m, l, acc = carry
+        m, l, acc, k_pages, v_pages = carry
         pages = jax.lax.dynamic_slice_in_dim(table, j * block_pages, block_pages, axis=1)
         k = k_pages[pages].reshape(b, blk, hkv, d)
         v = v_pages[pages].reshape(b, blk, hkv, d)
@@ -57,14 +56,19 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float):
         l = l * corr + jnp.sum(p, axis=-1)
         acc = acc * corr[..., None] + jnp.einsum("bkgtl,blkd->bkgtd", p.astype(v.dtype), v,
                                                  preferred_element_type=jnp.float32)
-        return m_new, l, acc
+        return m_new, l, acc, k_pages, v_pages
 
     shape = (b, hkv, h // hkv, t)
+    # The pages ride in the loop carry and come back out, so the caller keeps using the loop's
+    # output buffers: XLA then updates the donated pool in place instead of copying it around the loop.
     init = (jnp.full(shape, -1e30, jnp.float32), jnp.zeros(shape, jnp.float32),
-            jnp.zeros(shape + (d,), jnp.float32))
-    _, l, acc = jax.lax.fori_loop(0, num_blocks, block, init)
+            jnp.zeros(shape + (d,), jnp.float32), k_pages, v_pages)
+    if table.shape[1] == block_pages:            # one block: no loop (XLA would hoist and re-fuse it anyway)
+        _, l, acc, k_pages, v_pages = block(0, init)
+    else:
+        _, l, acc, k_pages, v_pages = jax.lax.fori_loop(0, num_blocks, block, init)
     o = acc / jnp.maximum(l, 1e-30)[..., None]                                          # [B, Hkv, G, T, D]
-    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype)
+    return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype), k_pages, v_pages
 
 
 def attention_layer(p, x, kv, segments, cos, sin, cfg):
@@ -90,7 +94,8 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg):
     for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):
         k_pages = write_kv(k_pages, k_s, seg)
         v_pages = write_kv(v_pages, v_s, seg)
-        outs.append(paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5))
+        o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5)
+        outs.append(o)
     o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)

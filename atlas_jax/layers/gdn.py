@@ -84,17 +84,34 @@ def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
     return o[:, :t], s
 
 
-def causal_conv(x, conv_state, w, q_len):
+def causal_conv(x, window, w, q_len):
     """Depthwise causal conv1d + SiLU over a chunk.
-    x [B, T, C]; conv_state [B, C, K-1] (the K-1 inputs before column 0); w [C, K];
-    q_len [B]. Returns (y [B, T, C], new conv_state [B, C, K-1] = the last K-1 inputs
-    before column q_len, i.e. unchanged for a row with q_len 0)."""
+    x [B, T, C]; window [B, C, K] (the K inputs before column 0, oldest first); w [C, K];
+    q_len [B]. Returns (y [B, T, C], new window [B, C, K] = the last K inputs up to column
+    q_len - 1, i.e. unchanged for a row with q_len 0)."""
     kw = w.shape[-1]
     t = x.shape[1]
-    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(x.dtype), x], axis=1)   # [B, K-1+T, C]
-    y = sum(ext[:, j:j + t, :].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(kw))
-    new_state = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, kw - 1, axis=0))(ext, q_len)
-    return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(new_state, 1, 2)
+    ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), x], axis=1)   # [B, K+T, C]
+    y = sum(ext[:, j + 1:j + 1 + t, :].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(kw))
+    new_window = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, kw, axis=0))(ext, q_len)
+    return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(new_window, 1, 2)
+
+
+def _read_slot(pool, batch, fresh):
+    """pool[slot] per row ([B, ...]); zeros for a row starting a sequence or a padding row."""
+    x = jnp.take(pool, batch.slot, axis=0, mode="fill", fill_value=0)
+    return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
+
+
+def _after(value, dep):
+    """value [B, ...], made data-dependent on dep [B, ...] row by row (adds 0 * a per-row sum of
+    dep: XLA does not fold float x * 0, so the dependence survives optimisation)."""
+    zero = jnp.sum(dep.astype(jnp.float32), axis=tuple(range(1, dep.ndim))) * 0
+    return value + zero.reshape((-1,) + (1,) * (value.ndim - 1)).astype(value.dtype)
+
+
+def _write_slot(pool, batch, value):
+    return pool.at[batch.slot].set(value.astype(pool.dtype), mode="drop")
 
 
 def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
@@ -104,10 +121,19 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     h_pool, conv_pool = ssm
-    fresh = (batch.start == 0)[:, None, None]                  # a sequence's first chunk starts from zero state
-    conv_in = jnp.take(conv_pool, batch.slot, axis=0, mode="fill", fill_value=0)
-    conv_in = jnp.where(fresh, 0, conv_in)
-    mixed, conv_out = causal_conv(mixed, conv_in, p["conv"], batch.q_len)
+    fresh = batch.start == 0                    # a sequence's first chunk starts from zero state
+    decode = t == 1
+    window = _read_slot(conv_pool, batch, fresh)
+    if decode:
+        # One token. The pool writes are made to depend on the outputs computed from the old values
+        # (`_after`), so every read of a pool precedes its in-place update and XLA updates the donated
+        # pools in place (otherwise it copies each whole pool around the update).
+        window = jnp.concatenate([window[..., 1:], jnp.swapaxes(mixed, 1, 2).astype(window.dtype)], -1)
+        y = jnp.sum(window.astype(jnp.float32) * p["conv"].astype(jnp.float32), axis=-1)
+        mixed = jax.nn.silu(y).astype(mixed.dtype)[:, None, :]
+    else:
+        mixed, window = causal_conv(mixed, window, p["conv"], batch.q_len)
+        conv_pool = _write_slot(conv_pool, batch, window)
     q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
     q = jnp.repeat(q.reshape(b, t, hk, dk), r, axis=2)            # key head i serves value heads i*r..i*r+r-1
     k = jnp.repeat(k.reshape(b, t, hk, dk), r, axis=2)
@@ -120,18 +146,24 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     g = jnp.where(valid, g, 0.0)
 
-    s0 = jnp.take(h_pool, batch.slot, axis=0, mode="fill", fill_value=0)
-    s0 = jnp.where(fresh[..., None], 0.0, s0)
-    core = recurrent if t <= RECURRENT_MAX_T else chunked
-    o, s1 = core(q, k, v, g, beta, s0)
-    h_pool = h_pool.at[batch.slot].set(s1, mode="drop")
-    conv_pool = conv_pool.at[batch.slot].set(conv_out.astype(conv_pool.dtype), mode="drop")
+    s0 = _read_slot(h_pool, batch, fresh)
+    if decode:
+        s = s0 * jnp.exp(g[:, 0])[..., None, None]
+        delta = (v[:, 0] - jnp.einsum("bhkv,bhk->bhv", s, k[:, 0])) * beta[:, 0, :, None]
+        s1 = s + k[:, 0, :, :, None] * delta[:, :, None, :]
+        o = jnp.einsum("bhkv,bhk->bhv", s1, q[:, 0])[:, None]
+        h_pool = _write_slot(h_pool, batch, _after(s1, o))
+        conv_pool = _write_slot(conv_pool, batch, _after(window, o))
+    else:
+        core = recurrent if t <= RECURRENT_MAX_T else chunked
+        o, s1 = core(q, k, v, g, beta, s0)
+        h_pool = _write_slot(h_pool, batch, s1)
     return o, (h_pool, conv_pool)
 
 
 def gdn_layer(p, x, ssm, segments, cfg):
     """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
-    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K-1]).
+    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K]).
     x [N, H] flat over the segments -> ([N, H], ssm)."""
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

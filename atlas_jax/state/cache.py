@@ -3,7 +3,7 @@
 Built once with fixed capacity and donated to every step, so updates are in place.
   kv[i]  = (k, v), each [num_pages, page_size, num_kv_heads, head_dim] in the model dtype,
            for the i-th full-attention layer.
-  ssm[i] = (h [num_slots, Hv, Dk, Dv] fp32, conv [num_slots, conv_dim, K-1] model dtype),
+  ssm[i] = (h [num_slots, Hv, Dk, Dv] fp32, conv [num_slots, conv_dim, K] model dtype: the last K mixer inputs),
            for the i-th Gated DeltaNet layer.
 Which page / slot a sequence owns is host metadata (state/allocator.py, batch.StepBatch).
 """
@@ -28,7 +28,7 @@ def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: in
     kv_page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
     h = jax.ShapeDtypeStruct((num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                               cfg.linear_value_head_dim), jnp.float32)
-    conv = jax.ShapeDtypeStruct((num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim - 1), dtype)
+    conv = jax.ShapeDtypeStruct((num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
     return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers),
                       ssm=tuple((h, conv) for _ in cfg.gdn_layers))
 
