@@ -10,7 +10,7 @@ import pytest
 
 from conftest import random_prompts
 
-from atlas_jax import SamplingParams
+from atlas_jax import LLM, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -168,6 +168,16 @@ def test_bad_requests_do_not_disturb_requests_in_flight(llm, alone):
 def test_request_that_can_never_fit_is_refused(llm):
     with pytest.raises(ValueError, match="max_model_len is 128"):
         llm.generate([3] * 128, GREEDY)
+    small = LLM(dtype="float32", page_size=8, num_pages=4, max_num_seqs=2, max_model_len=128, warmup=False)
+    with pytest.raises(ValueError, match="needs 7 KV pages of 8 tokens; the cache has 4"):
+        small.generate([3] * 40, SamplingParams(max_tokens=10))
+    assert small.num_compiles == 0
+
+
+def test_warmup_fills_the_persistent_compile_cache(llm):
+    import os
+    from atlas_jax.engine.llm import default_compile_cache_dir
+    assert len(os.listdir(default_compile_cache_dir())) >= llm.num_warmup_compiles
 
 
 def test_no_compiles_after_warmup_over_random_workload(llm, scheduler_config, memory_pressure):
