@@ -3,9 +3,8 @@
 Built once with fixed capacity and donated to every step, so updates are in place.
   kv[i]  = (k, v), each [num_pages, page_size, num_kv_heads, head_dim] in the model dtype,
            for the i-th full-attention layer.
-  ssm[i] = (h [num_slots + 1, Hv, Dk, Dv] fp32, conv [num_slots + 1, conv_dim, K] model dtype: the last
-           K mixer inputs), for the i-th Gated DeltaNet layer. Row num_slots is a scratch slot that
-           padding rows read and write, so slot accesses never need bounds handling.
+  ssm[i] = (h [num_slots, Hv, Dk, Dv] fp32, conv [num_slots, conv_dim, K] model dtype: the last K mixer inputs),
+           for the i-th Gated DeltaNet layer.
 Which page / slot a sequence owns is host metadata (state/allocator.py, batch.StepBatch).
 """
 from __future__ import annotations
@@ -27,9 +26,9 @@ class ModelState:
 
 def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> ModelState:
     kv_page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
-    h = jax.ShapeDtypeStruct((num_slots + 1, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+    h = jax.ShapeDtypeStruct((num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                               cfg.linear_value_head_dim), jnp.float32)
-    conv = jax.ShapeDtypeStruct((num_slots + 1, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
+    conv = jax.ShapeDtypeStruct((num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
     return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers),
                       ssm=tuple((h, conv) for _ in cfg.gdn_layers))
 
