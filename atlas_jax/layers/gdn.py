@@ -98,7 +98,8 @@ def causal_conv(x, window, w, q_len):
 
 
 def _read_slot(pool, batch, fresh):
-    """pool[slot] per row ([B, ...]); zeros for a row starting a sequence or a padding row."""
+    """pool[slot] per row ([B, ...]); zeros for padding rows (slot out of range) and for rows that
+    start a sequence."""
     x = jnp.take(pool, batch.slot, axis=0, mode="fill", fill_value=0)
     return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
 

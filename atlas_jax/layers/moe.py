@@ -22,9 +22,11 @@ def dispatch_for(backend: str) -> str:
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: about the mean group size, a power of two in [1, 64]."""
-    mean = max(1, num_pairs // num_experts)
-    return min(64, 1 << (mean.bit_length() - 1))
+    """Rows per block: a power of two in [1, 64] at about twice the mean group size, so most groups
+    fit one block (every block re-reads its expert's weights; padding rows only cost FLOPs)."""
+    if num_pairs <= num_experts:
+        return 1                       # decode: every pair is its own expert's only row, more or less
+    return min(64, 1 << (2 * num_pairs // num_experts - 1).bit_length())
 
 
 def route(router_w, x, top_k: int, renormalise: bool):
