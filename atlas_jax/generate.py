@@ -21,7 +21,7 @@ def main(argv=None) -> None:
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
     args = ap.parse_args(argv)
     prompts = args.prompt or ["def add(a, b):"]
-    llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels)
+    llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels, warmup=False)   # one-shot: compile what is used
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     t0 = time.perf_counter()
