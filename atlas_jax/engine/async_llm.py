@@ -29,7 +29,7 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-class _Finished:
+class _Finished:  # noqa: N801
     """Sentinel on a request stream: no more outputs."""
 
 
@@ -59,7 +59,12 @@ class AsyncLLM:
     # ---- caller side -------------------------------------------------------------------------
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and self.errored is None
+        return self._thread.is_alive() and self.errored is None and not self._stop.is_set()
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (their streams are open)."""
+        return len(self._streams)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Validate (ValueError on bad input) and queue a request; returns it and its output queue."""
@@ -168,3 +173,6 @@ class AsyncLLM:
             req = self.engine.abort(rid)
             if req is not None:
                 self._emit(req)
+
+
+FINISHED = _Finished     # the end-of-stream sentinel on a request's queue (for callers of add_request)

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) on AsyncLLM; `python -m atlas_jax.serve`."""

@@ -1,0 +1,383 @@
+"""FastAPI app: OpenAI-compatible routes over AsyncLLM.
+
+Every response carries x-request-id; errors use OpenAI's shape {"error": {message, type, param,
+code}}; /v1/* needs the API key when one is set. Streams are server-sent events ending with
+`data: [DONE]`. A client that goes away aborts its request (the stream generator is closed, which
+aborts it on the engine thread). --request-timeout ends a request with finish_reason "timeout".
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
+
+from ..engine.async_llm import FINISHED, AsyncLLM, EngineDeadError
+from .chat import ChatTemplate
+from .protocol import ChatCompletionRequest, CompletionRequest
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+def _error_response(status, message, type_, param=None, code=None, headers=None):
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+class Metrics:
+    def __init__(self, engine: AsyncLLM):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("atlas_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
+        self.prompt_tokens = Counter("atlas_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.generation_tokens = Counter("atlas_generation_tokens", "Tokens generated", registry=r)
+        self.ttft = Histogram("atlas_time_to_first_token_seconds", "Time to first token", registry=r,
+                              buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
+        self.itl = Histogram("atlas_inter_token_latency_seconds", "Time between streamed outputs", registry=r,
+                             buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
+        gauge = lambda name, doc, key: Gauge(name, doc, registry=r).set_function(lambda: engine.engine.stats()[key])
+        gauge("atlas_running_requests", "Sequences running", "running")
+        gauge("atlas_waiting_requests", "Sequences waiting", "waiting")
+        gauge("atlas_swapped_requests", "Sequences swapped to host", "swapped")
+        gauge("atlas_free_kv_pages", "Free KV pages", "free_pages")
+        gauge("atlas_num_compiles", "Compiled executables (constant after warm-up)", "num_compiles")
+        Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.engine.num_pages)
+        Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
+            lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
+
+
+def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, chat_template: str | None = None,
+              request_timeout: float | None = None, max_waiting: int = 256, max_body_bytes: int = 1 << 22) -> FastAPI:
+    app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None)
+    metrics = Metrics(engine)
+    template = ChatTemplate.for_model(engine.llm.model_path, chat_template)
+    tokenizer = engine.tokenizer
+    app.state.engine, app.state.metrics = engine, metrics
+
+    @app.middleware("http")
+    async def frame(request: Request, call_next):
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        request.state.request_id = rid
+        path = request.url.path
+        try:
+            if path.startswith("/v1/") and api_key is not None:
+                auth = request.headers.get("authorization", "")
+                if auth != f"Bearer {api_key}":
+                    raise APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
+            if int(request.headers.get("content-length") or 0) > max_body_bytes:
+                raise APIError(413, f"request body over {max_body_bytes} bytes")
+            response = await call_next(request)
+        except APIError as e:
+            response = _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+        response.headers["x-request-id"] = rid
+        metrics.requests.labels(path, str(response.status_code)).inc()
+        return response
+
+    @app.exception_handler(APIError)
+    async def api_error(request, e: APIError):
+        return _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, e: RequestValidationError):
+        err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
+        param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
+        msg = "malformed JSON body" if err.get("type") == "json_invalid" else f"{param}: {err.get('msg')}"
+        return _error_response(400, msg, "invalid_request_error", param)
+
+    @app.exception_handler(Exception)
+    async def crashed(request, e: Exception):
+        return _error_response(500, f"internal error: {e!r}", "internal_server_error")
+
+    def check_model(model):
+        if model not in (None, served_model_name):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {served_model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_capacity():
+        if not engine.is_running:
+            raise APIError(503, f"engine is not running: {engine.errored!r}", "service_unavailable")
+        if engine.num_in_flight >= max_waiting:
+            raise APIError(503, "server is at capacity; retry later", "service_unavailable", headers={"Retry-After": "1"})
+
+    async def outputs(prompt, params, rid):
+        """Delta RequestOutputs of one request, ending with a finished one; aborts on exit or timeout."""
+        try:
+            req, stream = engine.add_request(prompt, params, rid)
+        except EngineDeadError as e:
+            raise APIError(500, str(e), "internal_server_error") from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        deadline = None if request_timeout is None else time.monotonic() + request_timeout
+        done = False
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(stream.get(), wait)
+                except asyncio.TimeoutError:
+                    engine.abort_nowait(rid, "timeout")
+                    deadline = None
+                    continue
+                if item is FINISHED:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    raise APIError(500, f"request failed: {item}", "internal_server_error")
+                yield item
+        finally:
+            if not done:
+                engine.abort_nowait(rid)
+
+    async def merged(prompts, params, base_id):
+        """(prompt index, delta output) across all prompts of a request, as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, prompt):
+            try:
+                async for out in outputs(prompt, params, f"{base_id}-{i}"):
+                    await queue.put((i, out))
+            except BaseException as e:      # noqa: BLE001 — handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def first_item(agen):
+        """Run the generator to its first item so that request errors become HTTP errors, not stream errors."""
+        try:
+            return await agen.__anext__()
+        except StopAsyncIteration:
+            return None
+
+    def sse(obj) -> str:
+        return f"data: {json.dumps(obj)}\n\n"
+
+    # ---- routes ------------------------------------------------------------------------------
+    @app.get("/health")
+    async def health():
+        if not engine.is_running:
+            return _error_response(503, "engine not running", "service_unavailable")
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "atlas_jax", "max_model_len": engine.engine.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: dict):
+        text = body.get("prompt")
+        if not isinstance(text, str) or tokenizer is None:
+            raise APIError(400, "tokenize needs {'prompt': str} and a model with a tokenizer", param="prompt")
+        ids = tokenizer.encode(text)
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: dict):
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids) or tokenizer is None:
+            raise APIError(400, "detokenize needs {'tokens': [int]} and a model with a tokenizer", param="tokens")
+        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        prompts = body.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise APIError(400, "prompt is empty", param="prompt")
+        try:
+            params = body.sampling_params(body.max_tokens, body.logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = f"cmpl-{request.state.request_id}"
+        created, n = int(time.time()), body.n
+        gen = merged(prompts, params, rid)
+        first = await first_item(gen)
+
+        def choice_logprobs(c):
+            if c.logprobs is None:
+                return None
+            toks = [tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t) for t in c.token_ids]
+            return {"tokens": toks, "token_logprobs": [lp[t] for lp, t in zip(c.logprobs, c.token_ids)],
+                    "top_logprobs": [{(tokenizer.decode([k], skip_special_tokens=False) if tokenizer else str(k)): v
+                                      for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
+
+        async def items():
+            if first is not None:
+                yield first
+            async for it in gen:
+                yield it
+
+        if body.stream:
+            async def events():
+                usage = {"prompt": {}, "completion": 0}
+                last = time.monotonic()
+                async for i, out in items():
+                    now = time.monotonic()
+                    metrics.itl.observe(now - last)
+                    last = now
+                    usage["prompt"][i] = len(out.prompt_token_ids)
+                    for c in out.outputs:
+                        if not c.text and not c.finished and not c.token_ids:
+                            continue
+                        usage["completion"] += len(c.token_ids)
+                        yield sse({"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+                                   "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": choice_logprobs(c),
+                                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                    _observe_finish(out)
+                if body.stream_options and body.stream_options.include_usage:
+                    p = sum(usage["prompt"].values())
+                    yield sse({"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+                               "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": usage["completion"],
+                                                        "total_tokens": p + usage["completion"]}})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        texts, ids, lps, finish, stop_reason, prompt_len = {}, {}, {}, {}, {}, {}
+        async for i, out in items():
+            prompt_len[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                k = i * n + c.index
+                texts[k] = texts.get(k, "") + c.text
+                ids[k] = ids.get(k, []) + c.token_ids
+                if c.logprobs is not None:
+                    lps[k] = lps.get(k, []) + c.logprobs
+                if c.finished:
+                    finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
+            _observe_finish(out)
+        choices = []
+        for k in sorted(texts):
+            lp = None
+            if k in lps:
+                from ..engine.outputs import CompletionOutput
+                lp = choice_logprobs(CompletionOutput(k, texts[k], ids[k], finish[k], logprobs=lps[k]))
+            choices.append({"index": k, "text": texts[k], "logprobs": lp, "finish_reason": finish.get(k),
+                            "stop_reason": stop_reason.get(k)})
+        p, c = sum(prompt_len.values()), sum(len(v) for v in ids.values())
+        return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+                "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        check_capacity()
+        try:
+            prompt = template.render([{"role": m.role, "content": m.text()} for m in body.messages],
+                                     body.add_generation_prompt)
+            top = (body.top_logprobs or 0) if body.logprobs else None
+            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        rid = f"chatcmpl-{request.state.request_id}"
+        created, n = int(time.time()), body.n
+        gen = merged([prompt], params, rid)
+        first = await first_item(gen)
+
+        def tok(t):
+            s = tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
+            return {"token": s, "bytes": list(s.encode())}
+
+        def chat_logprobs(c):
+            if c.logprobs is None:
+                return None
+            return {"content": [{**tok(t), "logprob": lp[t],
+                                 "top_logprobs": [{**tok(k), "logprob": v} for k, v in
+                                                  sorted(lp.items(), key=lambda kv: -kv[1])[:body.top_logprobs or 0]]}
+                                for lp, t in zip(c.logprobs, c.token_ids)]}
+
+        async def items():
+            if first is not None:
+                yield first
+            async for it in gen:
+                yield it
+
+        if body.stream:
+            async def events():
+                sent_role, completion, prompt_len = set(), 0, 0
+                last = time.monotonic()
+                async for _, out in items():
+                    now = time.monotonic()
+                    metrics.itl.observe(now - last)
+                    last = now
+                    prompt_len = len(out.prompt_token_ids)
+                    for c in out.outputs:
+                        delta = {}
+                        if c.index not in sent_role:
+                            delta["role"] = "assistant"
+                            sent_role.add(c.index)
+                        if c.text:
+                            delta["content"] = c.text
+                        if not delta and not c.finished:
+                            continue
+                        completion += len(c.token_ids)
+                        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                                   "model": served_model_name,
+                                   "choices": [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c),
+                                                "finish_reason": c.finish_reason}]})
+                    _observe_finish(out)
+                if body.stream_options and body.stream_options.include_usage:
+                    yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
+                               "model": served_model_name, "choices": [],
+                               "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion,
+                                         "total_tokens": prompt_len + completion}})
+                yield "data: [DONE]\n\n"
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+        texts, ids, lps, finish, prompt_len = {}, {}, {}, {}, 0
+        async for _, out in items():
+            prompt_len = len(out.prompt_token_ids)
+            for c in out.outputs:
+                texts[c.index] = texts.get(c.index, "") + c.text
+                ids[c.index] = ids.get(c.index, []) + c.token_ids
+                if c.logprobs is not None:
+                    lps[c.index] = lps.get(c.index, []) + c.logprobs
+                if c.finished:
+                    finish[c.index] = c.finish_reason
+            _observe_finish(out)
+        from ..engine.outputs import CompletionOutput
+        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                    "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
+                    if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
+        c = sum(len(v) for v in ids.values())
+        return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
+                "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
+                                              "total_tokens": prompt_len + c}}
+
+    def _observe_finish(out):
+        if out.finished and out.metrics is not None:
+            metrics.prompt_tokens.inc(out.metrics.num_prompt_tokens)
+            metrics.generation_tokens.inc(sum(m for m in [out.metrics.num_generated_tokens] if m))
+            if out.metrics.time_to_first_token is not None:
+                metrics.ttft.observe(out.metrics.time_to_first_token)
+
+    return app
