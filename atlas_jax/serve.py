@@ -66,12 +66,28 @@ def main(argv=None) -> None:
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
                     request_timeout=args.request_timeout, max_waiting=args.max_waiting)
 
-    @app.on_event("shutdown")
-    def _stop_engine():
-        engine.shutdown()
     logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (compiled steps: %d)", name, args.host,
                                         args.port, llm.num_compiles)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=10)
+    server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                            timeout_graceful_shutdown=10))
+    try:
+        server.run()          # returns after SIGINT / SIGTERM: no new connections, open ones drained
+    finally:
+        engine.shutdown()     # abort whatever is still in flight, stop the engine thread
+
+
+class _GracefulServer:
+    """uvicorn.Server that treats SIGINT / SIGTERM as a request to shut down and exit 0 (uvicorn
+    re-raises the captured signal after its graceful shutdown, which would end the process by it)."""
+
+    def __new__(cls, config):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):
+                super().handle_exit(sig, frame)
+                self._captured_signals.clear()
+        return Server(config)
 
 
 def _pages_for_memory(args, llm_kwargs) -> int:

@@ -331,6 +331,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     last = now
                     prompt_len = len(out.prompt_token_ids)
                     for c in out.outputs:
+                        completion += len(c.token_ids)
                         delta = {}
                         if c.index not in sent_role:
                             delta["role"] = "assistant"
@@ -339,7 +340,6 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                             delta["content"] = c.text
                         if not delta and not c.finished:
                             continue
-                        completion += len(c.token_ids)
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": served_model_name,
                                    "choices": [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c),

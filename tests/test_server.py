@@ -1,0 +1,178 @@
+"""`python -m atlas_jax.serve` as a real process on a loopback port, driven with the official
+openai client and raw httpx: completions and chat (streaming and not), usage, stop strings, n,
+logprobs, greedy parity with LLM.generate, OpenAI-format errors, API key, request ids, a client
+that disconnects mid-stream, graceful shutdown."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from atlas_jax import SamplingParams
+
+KEY = "test-key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(default_llm):
+    """Same engine shape as the shared default engine, so its compiled steps come from the cache."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "atlas_jax.serve", "--port", str(port), "--api-key", KEY, "--page-size", "8",
+           "--max-num-seqs", "8", "--max-model-len", "128", "--max-prefill-chunk", "64",
+           "--max-num-batched-tokens", "128", "--dtype", "float32", "--served-model-name", "tiny",
+           "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    for _ in range(600):
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read().decode()[-3000:])
+        try:
+            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    else:
+        proc.kill()
+        raise RuntimeError("server did not become healthy")
+    yield base, proc
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[0] + "/v1", api_key=KEY, max_retries=0)
+
+
+def post(server, path, body, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    if isinstance(body, (bytes, str)):
+        return httpx.post(server[0] + path, content=body, headers={**headers, "content-type": "application/json"},
+                          timeout=60, **kw)
+    return httpx.post(server[0] + path, json=body, headers=headers, timeout=60, **kw)
+
+
+def test_greedy_completion_equals_llm_generate(client, default_llm):
+    prompt = "def fibonacci(n):"
+    ref = default_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.choices[0].text == ref.text and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12
+    assert out.usage.prompt_tokens == len(default_llm.tokenizer.encode(prompt))
+    assert out.usage.total_tokens == out.usage.prompt_tokens + 12
+
+
+def test_streaming_matches_non_streaming(client):
+    kw = dict(model="tiny", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], **kw)
+    chunks = list(client.chat.completions.create(messages=[{"role": "user", "content": "Hello"}], stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 10 == whole.usage.completion_tokens
+    comp = list(client.completions.create(prompt="Hello", stream=True, **kw))
+    assert "".join(c.choices[0].text for c in comp) == client.completions.create(prompt="Hello", **kw).choices[0].text
+
+
+def test_stop_n_and_logprobs(client):
+    kw = dict(model="tiny", prompt="def add(a, b):", temperature=0, extra_body={"ignore_eos": True})
+    free = client.completions.create(max_tokens=20, **kw).choices[0].text
+    stop = next(free[i:i + 2] for i in range(3, len(free) - 2) if free[i:i + 2].strip() and "\ufffd" not in free[i:i + 2])
+    cut = client.completions.create(max_tokens=20, stop=[stop], **kw).choices[0]
+    assert cut.text == free[:free.find(stop)] and cut.finish_reason == "stop"
+    many = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, n=3, temperature=1.0, seed=3)
+    assert sorted(c.index for c in many.choices) == [0, 1, 2] and many.usage.completion_tokens <= 18
+    lp = client.completions.create(max_tokens=4, logprobs=3, **kw).choices[0].logprobs
+    assert len(lp.token_logprobs) == 4 and all(v <= 0 for v in lp.token_logprobs)
+    assert all(len(t) >= 3 for t in lp.top_logprobs)
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3,
+                                          logprobs=True, top_logprobs=2, temperature=0)
+    assert len(chat.choices[0].logprobs.content) == 3
+    assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b'{"prompt": "hi", "max_tokens": ', 400, None),                    # malformed JSON
+    ({"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),          # wrong type
+    ({"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    ({"prompt": [5] * 500, "max_tokens": 4}, 400, None),                 # over-long
+    ({"prompt": []}, 400, "prompt"),
+])
+def test_bad_completion_requests(server, body, status, param):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if param:
+        assert err["param"] == param
+    if body == {"prompt": [5] * 500, "max_tokens": 4}:
+        assert "max_model_len is 128" in err["message"]
+    assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200   # still serving
+
+
+def test_bad_chat_and_auth(server):
+    assert post(server, "/v1/chat/completions", {"messages": []}).status_code == 400
+    assert post(server, "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}).status_code == 400
+    r = post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, key="wrong")
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(server[0] + "/v1/models").status_code == 401
+    models = httpx.get(server[0] + "/v1/models", headers={"Authorization": f"Bearer {KEY}"})
+    assert models.json()["data"][0]["id"] == "tiny" and models.headers["x-request-id"]
+    assert httpx.get(server[0] + "/health").status_code == 200
+    assert httpx.get(server[0] + "/health", headers={"x-request-id": "abc"}).headers["x-request-id"] == "abc"
+
+
+def test_tokenize_detokenize(server, default_llm):
+    ids = post(server, "/tokenize", {"prompt": "Hello, world!"}).json()["tokens"]
+    assert ids == default_llm.tokenizer.encode("Hello, world!")
+    assert post(server, "/detokenize", {"tokens": ids}).json()["prompt"] == "Hello, world!"
+
+
+def _metric(server, name):
+    text = httpx.get(server[0] + "/metrics").text
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def test_disconnect_mid_stream_frees_pages(server):
+    body = {"prompt": "Hello", "max_tokens": 120, "stream": True, "ignore_eos": True, "temperature": 0}
+    with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60,
+                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+        lines = r.iter_lines()
+        got = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][:0] or []
+        for line in lines:
+            if line.startswith("data: {"):
+                got.append(line)
+            if len(got) >= 2:
+                break
+    for _ in range(100):
+        if _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages") \
+                and _metric(server, "atlas_running_requests") == 0:
+            break
+        time.sleep(0.1)
+    assert _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages")
+    assert _metric(server, "atlas_num_compiles") > 0
+    assert "atlas_time_to_first_token_seconds_bucket" in httpx.get(server[0] + "/metrics").text
