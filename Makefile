@@ -1,12 +1,14 @@
-# Two entry points; each creates the virtualenv and installs what it needs on first use.
-#   make run   - complete a prompt with the embedded default model
-#   make test  - the test suite (CPU; HF transformers as the numerical oracle)
+# Entry points; each creates the virtualenv and installs what it needs on first use.
+#   make run       - the OpenAI-compatible server on the embedded default model (PORT=8000)
+#   make generate  - complete a prompt with the embedded default model (PROMPT="...")
+#   make test      - the test suite (CPU; HF transformers as the numerical oracle)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= def add(a, b):
+PORT ?= 8000
 
-.PHONY: run test clean
+.PHONY: run generate test clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +23,9 @@ $(VENV)/.test-deps: pyproject.toml | $(PY)
 	touch $@ $(VENV)/.run-deps
 
 run: $(VENV)/.run-deps
+	$(PY) -m atlas_jax.serve --port $(PORT)
+
+generate: $(VENV)/.run-deps
 	$(PY) -m atlas_jax.generate --prompt "$(PROMPT)"
 
 test: $(VENV)/.test-deps
