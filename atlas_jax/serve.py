@@ -1,8 +1,9 @@
 """`python -m atlas_jax.serve`: an OpenAI-compatible HTTP server on the engine.
 
     python -m atlas_jax.serve [--model PATH] [--host 127.0.0.1] [--port 8000] [...]
-With no --model it serves the embedded default model. The engine warms up (compiles every step
-shape) before the port opens, so /health answers 200 only once serving compiles nothing more.
+With no --model it serves the embedded default model. The port opens at once; the engine thread
+compiles every step shape first, and /health answers 503 (Retry-After) until that is done, so a
+200 means serving compiles nothing more.
 SIGINT / SIGTERM: stop accepting, abort what is in flight, exit 0.
 """
 from __future__ import annotations
@@ -60,14 +61,14 @@ def main(argv=None) -> None:
                       max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode)
     if args.kv_cache_memory is not None and num_pages is None:
         num_pages = _pages_for_memory(args, llm_kwargs)
-    llm = LLM(args.model, num_pages=num_pages, **llm_kwargs)
-    engine = AsyncLLM.from_llm(llm)
+    llm = LLM(args.model, num_pages=num_pages, warmup=False, **llm_kwargs)
+    engine = AsyncLLM.from_llm(llm, warmup=True)       # compiles in the engine thread; /health is 503 until done
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
                     request_timeout=args.request_timeout, max_waiting=args.max_waiting)
 
-    logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (compiled steps: %d)", name, args.host,
-                                        args.port, llm.num_compiles)
+    logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (warming up; /health is 503 until ready)",
+                                        name, args.host, args.port)
     server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                             timeout_graceful_shutdown=10))
     try:

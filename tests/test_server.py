@@ -176,3 +176,31 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages")
     assert _metric(server, "atlas_num_compiles") > 0
     assert "atlas_time_to_first_token_seconds_bucket" in httpx.get(server[0] + "/metrics").text
+
+
+def test_timeout_and_engine_failure_in_process(default_llm):
+    """The app in-process on the shared engine: --request-timeout ends a request with finish_reason
+    "timeout" (not a silent "length"); a failing engine answers 500, then /health and /v1 503."""
+    from fastapi.testclient import TestClient
+
+    from atlas_jax.engine.async_llm import AsyncLLM
+    from atlas_jax.server.app import build_app
+    engine = AsyncLLM.from_llm(default_llm)
+    real_step = default_llm.engine.step
+    try:
+        with TestClient(build_app(engine, served_model_name="tiny", request_timeout=0.05)) as c:
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 120, "ignore_eos": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "timeout"
+            assert r.json()["usage"]["completion_tokens"] < 120
+
+            def broken():
+                raise RuntimeError("device on fire")
+            default_llm.engine.step = broken
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
+            assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
+            assert c.get("/health").status_code == 503
+            assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 503
+    finally:
+        default_llm.engine.step = real_step
+        engine.shutdown()
+    assert default_llm.blocks.num_free == default_llm.num_pages and not default_llm.engine.requests

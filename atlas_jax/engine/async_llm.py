@@ -39,12 +39,14 @@ class AsyncLLM:
         self._init(LLM(model, **llm_kwargs))
 
     @classmethod
-    def from_llm(cls, llm) -> "AsyncLLM":
+    def from_llm(cls, llm, warmup: bool = False) -> "AsyncLLM":
+        """warmup=True: the engine thread compiles every step bucket before it takes requests;
+        until then `is_ready` is False (the server answers 503) and add_request refuses."""
         self = cls.__new__(cls)
-        self._init(llm)
+        self._init(llm, warmup)
         return self
 
-    def _init(self, llm) -> None:
+    def _init(self, llm, warmup: bool = False) -> None:
         self.llm = llm
         self.engine: EngineCore = llm.engine
         self.tokenizer = llm.tokenizer
@@ -53,6 +55,10 @@ class AsyncLLM:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.errored: BaseException | None = None
+        self._warmup = warmup
+        self._ready = threading.Event()
+        if not warmup:
+            self._ready.set()
         self._thread = threading.Thread(target=self._loop, name="atlas_jax-engine", daemon=True)
         self._thread.start()
 
@@ -60,6 +66,14 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.errored is None and not self._stop.is_set()
+
+    @property
+    def is_ready(self) -> bool:
+        """Running and warmed up: requests are served without compiling."""
+        return self.is_running and self._ready.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        return self._ready.wait(timeout) and self.is_running
 
     @property
     def num_in_flight(self) -> int:
@@ -72,6 +86,8 @@ class AsyncLLM:
             raise EngineDeadError(f"engine failed: {self.errored!r}")
         if self._stop.is_set():
             raise EngineDeadError("engine is shutting down")
+        if not self._ready.is_set():
+            raise EngineDeadError("engine is still warming up")
         req = self.engine.make_request(prompt, params, request_id)
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
@@ -143,6 +159,9 @@ class AsyncLLM:
 
     def _loop(self) -> None:
         try:
+            if self._warmup:
+                self.llm.num_warmup_compiles += self.engine.warmup(progress=False)
+                self._ready.set()
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished()
                 try:

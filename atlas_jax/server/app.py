@@ -105,6 +105,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     def check_capacity():
         if not engine.is_running:
             raise APIError(503, f"engine is not running: {engine.errored!r}", "service_unavailable")
+        if not engine.is_ready:
+            raise APIError(503, "engine is warming up; retry later", "service_unavailable", headers={"Retry-After": "5"})
         if engine.num_in_flight >= max_waiting:
             raise APIError(503, "server is at capacity; retry later", "service_unavailable", headers={"Retry-After": "1"})
 
@@ -179,7 +181,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     @app.get("/health")
     async def health():
         if not engine.is_running:
-            return _error_response(503, "engine not running", "service_unavailable")
+            return _error_response(503, f"engine not running: {engine.errored!r}", "service_unavailable")
+        if not engine.is_ready:
+            return _error_response(503, "warming up (compiling step buckets)", "service_unavailable",
+                                   headers={"Retry-After": "5"})
         return {"status": "ok"}
 
     @app.get("/metrics")
