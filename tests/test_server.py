@@ -192,12 +192,20 @@ def test_timeout_and_engine_failure_in_process(default_llm):
             r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 120, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "timeout"
             assert r.json()["usage"]["completion_tokens"] < 120
+        with TestClient(build_app(engine, served_model_name="tiny")) as c:
+            calls = []
 
-            def broken():
-                raise RuntimeError("device on fire")
-            default_llm.engine.step = broken
-            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4})
-            assert r.status_code == 500 and "device on fire" in r.json()["error"]["message"]
+            def breaks_on_third_step():
+                calls.append(1)
+                if len(calls) >= 3:
+                    raise RuntimeError("device on fire")
+                return real_step()
+            default_llm.engine.step = breaks_on_third_step
+            r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 50, "stream": True, "ignore_eos": True})
+            events = [line for line in r.text.splitlines() if line.startswith("data: ")]
+            assert r.status_code == 200 and events[-1] == "data: [DONE]"
+            assert "device on fire" in json.loads(events[-2][6:])["error"]["message"]   # not a silent cut
+            assert "choices" in json.loads(events[0][6:])
             assert c.get("/health").status_code == 503
             assert c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 4}).status_code == 503
     finally:

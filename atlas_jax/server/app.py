@@ -177,6 +177,15 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
 
+    async def guarded(events):
+        """A stream that fails midway ends with an OpenAI error event and [DONE], never silently."""
+        try:
+            async for chunk in events:
+                yield chunk
+        except APIError as e:
+            yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield "data: [DONE]\n\n"
+
     # ---- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
@@ -266,7 +275,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": usage["completion"],
                                                         "total_tokens": p + usage["completion"]}})
                 yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, stop_reason, prompt_len = {}, {}, {}, {}, {}, {}
         async for i, out in items():
@@ -356,7 +365,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion,
                                          "total_tokens": prompt_len + completion}})
                 yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, prompt_len = {}, {}, {}, {}, 0
         async for _, out in items():
