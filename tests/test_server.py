@@ -180,7 +180,8 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 def test_timeout_and_engine_failure_in_process(default_llm):
     """The app in-process on the shared engine: --request-timeout ends a request with finish_reason
-    "timeout" (not a silent "length"); a failing engine answers 500, then /health and /v1 503."""
+    "timeout" (not a silent "length"); a full queue answers 503 + Retry-After; an engine failing
+    mid-stream ends the stream with an error event, then /health and /v1 answer 503."""
     from fastapi.testclient import TestClient
 
     from atlas_jax.engine.async_llm import AsyncLLM
@@ -192,6 +193,9 @@ def test_timeout_and_engine_failure_in_process(default_llm):
             r = c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 120, "ignore_eos": True})
             assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "timeout"
             assert r.json()["usage"]["completion_tokens"] < 120
+        with TestClient(build_app(engine, served_model_name="tiny", max_waiting=0)) as c:     # queue "full"
+            r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+            assert r.status_code == 503 and r.headers["retry-after"] and r.json()["error"]["type"] == "service_unavailable"
         with TestClient(build_app(engine, served_model_name="tiny")) as c:
             calls = []
 
