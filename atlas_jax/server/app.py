@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
 
 from ..engine.async_llm import FINISHED, AsyncLLM, EngineDeadError
+from ..engine.outputs import CompletionOutput
 from .chat import ChatTemplate
 from .protocol import ChatCompletionRequest, CompletionRequest
 
@@ -167,12 +168,21 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             for t in tasks:
                 t.cancel()
 
-    async def first_item(agen):
-        """Run the generator to its first item so that request errors become HTTP errors, not stream errors."""
+    async def started(prompts, params, base_id):
+        """`merged`, already run to its first item, so that a refused request becomes an HTTP error
+        status rather than an error inside a 200 stream."""
+        gen = merged(prompts, params, base_id)
         try:
-            return await agen.__anext__()
+            first = await gen.__anext__()
         except StopAsyncIteration:
-            return None
+            first = None
+
+        async def items():
+            if first is not None:
+                yield first
+            async for item in gen:
+                yield item
+        return items()
 
     def sse(obj) -> str:
         return f"data: {json.dumps(obj)}\n\n"
@@ -235,8 +245,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(400, str(e)) from None
         rid = f"cmpl-{request.state.request_id}"
         created, n = int(time.time()), body.n
-        gen = merged(prompts, params, rid)
-        first = await first_item(gen)
+        items = await started(prompts, params, rid)
 
         def choice_logprobs(c):
             if c.logprobs is None:
@@ -246,17 +255,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     "top_logprobs": [{(tokenizer.decode([k], skip_special_tokens=False) if tokenizer else str(k)): v
                                       for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
 
-        async def items():
-            if first is not None:
-                yield first
-            async for it in gen:
-                yield it
-
         if body.stream:
             async def events():
                 usage = {"prompt": {}, "completion": 0}
                 last = time.monotonic()
-                async for i, out in items():
+                async for i, out in items:
                     now = time.monotonic()
                     metrics.itl.observe(now - last)
                     last = now
@@ -278,7 +281,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, stop_reason, prompt_len = {}, {}, {}, {}, {}, {}
-        async for i, out in items():
+        async for i, out in items:
             prompt_len[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 k = i * n + c.index
@@ -293,7 +296,6 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         for k in sorted(texts):
             lp = None
             if k in lps:
-                from ..engine.outputs import CompletionOutput
                 lp = choice_logprobs(CompletionOutput(k, texts[k], ids[k], finish[k], logprobs=lps[k]))
             choices.append({"index": k, "text": texts[k], "logprobs": lp, "finish_reason": finish.get(k),
                             "stop_reason": stop_reason.get(k)})
@@ -314,8 +316,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             raise APIError(400, str(e)) from None
         rid = f"chatcmpl-{request.state.request_id}"
         created, n = int(time.time()), body.n
-        gen = merged([prompt], params, rid)
-        first = await first_item(gen)
+        items = await started([prompt], params, rid)
 
         def tok(t):
             s = tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t)
@@ -329,17 +330,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                                   sorted(lp.items(), key=lambda kv: -kv[1])[:body.top_logprobs or 0]]}
                                 for lp, t in zip(c.logprobs, c.token_ids)]}
 
-        async def items():
-            if first is not None:
-                yield first
-            async for it in gen:
-                yield it
-
         if body.stream:
             async def events():
                 sent_role, completion, prompt_len = set(), 0, 0
                 last = time.monotonic()
-                async for _, out in items():
+                async for _, out in items:
                     now = time.monotonic()
                     metrics.itl.observe(now - last)
                     last = now
@@ -368,7 +363,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, prompt_len = {}, {}, {}, {}, 0
-        async for _, out in items():
+        async for _, out in items:
             prompt_len = len(out.prompt_token_ids)
             for c in out.outputs:
                 texts[c.index] = texts.get(c.index, "") + c.text
@@ -378,7 +373,6 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 if c.finished:
                     finish[c.index] = c.finish_reason
             _observe_finish(out)
-        from ..engine.outputs import CompletionOutput
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                     "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
                     if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
