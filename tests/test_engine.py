@@ -15,9 +15,8 @@ def sampling_batch(**cols):
     import jax.numpy as jnp
     n = len(next(iter(cols.values())))
     defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                    frequency_penalty=0.0, num_logprobs=-1, seed=0, step=0, slot=0, prompt_len=0)
-    dtypes = dict(top_k=jnp.int32, num_logprobs=jnp.int32, seed=jnp.uint32, step=jnp.int32, slot=jnp.int32,
-                  prompt_len=jnp.int32)
+                    frequency_penalty=0.0, num_logprobs=-1, seed=0, step=0, slot=0)
+    dtypes = dict(top_k=jnp.int32, num_logprobs=jnp.int32, seed=jnp.uint32, step=jnp.int32, slot=jnp.int32)
     return SamplingBatch(**{k: jnp.asarray(np.asarray(cols.get(k, [d] * n)), dtypes.get(k, jnp.float32))
                             for k, d in defaults.items()})
 

@@ -163,22 +163,23 @@ class ModelRunner:
         return StepBatch(tokens=jnp.asarray(tokens), q_len=jnp.asarray(q_len), start=jnp.asarray(start),
                          block_table=jnp.asarray(table), slot=jnp.asarray(slot))
 
-    def _sampling(self, rows: list[RowInput], b: int) -> SamplingBatch:
-        pad = b - len(rows)
+    def _sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
+        """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows
+        (greedy, no penalties, no logprobs, the out-of-range slot)."""
+        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots)
+        rows = [r if r is not None else filler for r in rows] + [filler] * (b - len(rows))
 
-        def col(get, dt, fill):
-            return jnp.asarray(np.array([get(r) for r in rows] + [fill] * pad, dt))
+        def col(get, dt):
+            return jnp.asarray(np.array([get(r) for r in rows], dt))
         return SamplingBatch(
-            temperature=col(lambda r: r.params.temperature, np.float32, 0.0),
-            top_k=col(lambda r: r.params.top_k, np.int32, 0),
-            top_p=col(lambda r: r.params.top_p, np.float32, 1.0),
-            min_p=col(lambda r: r.params.min_p, np.float32, 0.0),
-            repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32, 1.0),
-            presence_penalty=col(lambda r: r.params.presence_penalty, np.float32, 0.0),
-            frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32, 0.0),
-            num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32, -1),
-            seed=col(lambda r: r.seed, np.uint32, 0), step=col(lambda r: r.step, np.int32, 0),
-            slot=col(lambda r: r.slot, np.int32, self.num_slots), prompt_len=col(lambda r: r.prompt_len, np.int32, 0))
+            temperature=col(lambda r: r.params.temperature, np.float32), top_k=col(lambda r: r.params.top_k, np.int32),
+            top_p=col(lambda r: r.params.top_p, np.float32), min_p=col(lambda r: r.params.min_p, np.float32),
+            repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32),
+            presence_penalty=col(lambda r: r.params.presence_penalty, np.float32),
+            frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32),
+            num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32),
+            seed=col(lambda r: r.seed, np.uint32), step=col(lambda r: r.step, np.int32),
+            slot=col(lambda r: r.slot, np.int32))
 
     def _run(self, kind: str, *args):
         key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
@@ -211,7 +212,7 @@ class ModelRunner:
             sampling_rows = list(decode)
         b = sum(s.tokens.shape[0] for s in segments)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
-        sampling = self._sampling_with_gaps(sampling_rows, b)
+        sampling = self._sampling(sampling_rows, b)
         prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
                                                  np.int32))
                             for s, rs in zip(segments, (decode, prefill) if prefill else (decode,)))
@@ -222,10 +223,6 @@ class ModelRunner:
             result.update(logprob=np.asarray(out.logprob)[live], top_ids=np.asarray(out.top_ids)[live],
                           top_logprobs=np.asarray(out.top_logprobs)[live])
         return result
-
-    def _sampling_with_gaps(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
-        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots)
-        return self._sampling([r if r is not None else filler for r in rows], b)
 
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
@@ -276,7 +273,7 @@ class ModelRunner:
             b = sum(bb for bb, _ in shape)
             f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
             sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
-                                     jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b), i32(b))
+                                     jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b))
             args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
         else:
             saved = jax.eval_shape(lambda st: _save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)

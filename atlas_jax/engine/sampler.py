@@ -39,7 +39,6 @@ class SamplingBatch:
     seed: jax.Array                # [B] u32
     step: jax.Array                # [B] i32 tokens sampled so far by the row's request
     slot: jax.Array                # [B] i32 the row's penalty-history slot (num_slots for padding)
-    prompt_len: jax.Array          # [B] i32 the request's prompt length (fed positions below it are prompt)
 
 
 @jax.tree_util.register_dataclass

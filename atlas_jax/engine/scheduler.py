@@ -136,9 +136,7 @@ class Scheduler:
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 return
             need = self.blocks.pages_for(n)
-            if self.blocks.num_free < need + cfg.watermark_pages and self.running:
-                return
-            if self.blocks.num_free < need:
+            if self.blocks.num_free < need + (cfg.watermark_pages if self.running else 0):
                 return
             self.waiting.popleft()
             seq.slot = self.slots.allocate(1)[0]

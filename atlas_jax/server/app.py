@@ -271,7 +271,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                         yield sse({"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
                                    "choices": [{"index": i * n + c.index, "text": c.text, "logprobs": choice_logprobs(c),
                                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
-                    _observe_finish(out)
+                    _observe(out)
                 if body.stream_options and body.stream_options.include_usage:
                     p = sum(usage["prompt"].values())
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
@@ -291,7 +291,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     lps[k] = lps.get(k, []) + c.logprobs
                 if c.finished:
                     finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
-            _observe_finish(out)
+            _observe(out)
         choices = []
         for k in sorted(texts):
             lp = None
@@ -353,7 +353,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                    "model": served_model_name,
                                    "choices": [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c),
                                                 "finish_reason": c.finish_reason}]})
-                    _observe_finish(out)
+                    _observe(out)
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                "model": served_model_name, "choices": [],
@@ -372,7 +372,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     lps[c.index] = lps.get(c.index, []) + c.logprobs
                 if c.finished:
                     finish[c.index] = c.finish_reason
-            _observe_finish(out)
+            _observe(out)
         choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
                     "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
                     if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
@@ -381,10 +381,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
                                               "total_tokens": prompt_len + c}}
 
-    def _observe_finish(out):
+    def _observe(out):
+        """Per delta output: new tokens of every completion (all n); at the finish: prompt tokens, TTFT."""
+        metrics.generation_tokens.inc(sum(len(c.token_ids) for c in out.outputs))
         if out.finished and out.metrics is not None:
             metrics.prompt_tokens.inc(out.metrics.num_prompt_tokens)
-            metrics.generation_tokens.inc(sum(m for m in [out.metrics.num_generated_tokens] if m))
             if out.metrics.time_to_first_token is not None:
                 metrics.ttft.observe(out.metrics.time_to_first_token)
 
