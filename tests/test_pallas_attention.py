@@ -1,15 +1,23 @@
-"""The Pallas ragged paged attention kernel (interpret mode on CPU) against the pure-jnp reference
+"""The Pallas ragged paged attention kernels (interpret mode on CPU; compiled with
+ATLAS_JAX_PALLAS_COMPILED=1 on a GPU) against the pure-jnp reference
 `layers.attention.paged_attention`, over KV lengths 0 / 1 / a page / page + 1 / long, q_len 1
-(decode), 2..8 (verify), prefill chunks, GQA ratios 1..8, fp32 and bf16, random non-contiguous
-block tables and padding rows (zeros out)."""
+(decode, split-KV with 1..many splits), 2..8 (verify), prefill chunks, GQA ratios 1..8, head dims
+64..256, pages 8..64, fp32 and bf16, soft-cap and sliding window, random non-contiguous block tables
+and padding rows (zeros out)."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from atlas_jax.batch import StepBatch
 from atlas_jax.layers.attention import paged_attention as reference
 from pallas_kernels.paged_attention import paged_attention
+
+INTERPRET = os.environ.get("ATLAS_JAX_PALLAS_COMPILED") != "1"
 
 
 def _case(seed, rows, t, heads, kv_heads, d, page_size, dtype):
@@ -38,19 +46,47 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("case", range(len(CASES)))
-def test_kernel_matches_reference(case, dtype):
-    rows, t, h, hkv, d, ps = CASES[case]
-    q, k, v, table, start, q_len = _case(case, rows, t, h, hkv, d, ps, dtype)
+def _check(rows, t, h, hkv, d, ps, dtype, seed=0, **opts):
+    q, k, v, table, start, q_len = _case(seed, rows, t, h, hkv, d, ps, dtype)
     scale = d ** -0.5
     seg = StepBatch(tokens=jnp.zeros((len(rows), t), jnp.int32), q_len=q_len, start=start, block_table=table,
                     slot=jnp.zeros((len(rows),), jnp.int32))
-    ref, _, _ = reference(q, k, v, seg, scale)
-    out = paged_attention(q, k, v, table, start, q_len, scale=scale, interpret=True)
+    ref_opts = {key: opts[key] for key in ("soft_cap", "window") if key in opts}
+    ref, _, _ = reference(q, k, v, seg, scale, **ref_opts)
+    out = paged_attention(q, k, v, table, start, q_len, scale=scale, interpret=INTERPRET, **opts)
     valid = np.asarray(seg.valid)[..., None, None]
     tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
     np.testing.assert_allclose(np.where(valid, np.asarray(out, np.float32), 0),
                                np.where(valid, np.asarray(ref, np.float32), 0), atol=tol, rtol=tol)
     padding = np.asarray(q_len) == 0
     assert np.all(np.asarray(out, np.float32)[padding] == 0)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_kernel_matches_reference(case, dtype):
+    _check(*CASES[case], dtype, seed=case)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_decode_split_kv(splits):
+    """More splits than a row has pages leaves empty splits, which the combine must ignore."""
+    _check([(0, 1), (7, 1), (8, 1), (70, 1), (3, 0)], 1, 8, 2, 64, 8, jnp.float32, num_splits=splits)
+
+
+@pytest.mark.parametrize("t", [1, 4, 16])
+def test_soft_cap_and_sliding_window(t):
+    rows = [(0, 1 if t == 1 else t), (37, 1 if t == 1 else 3), (64, 1)]
+    _check(rows, t, 4, 2, 64, 8, jnp.float32, soft_cap=5.0)
+    _check(rows, t, 4, 2, 64, 8, jnp.float32, window=20)
+    _check(rows, t, 4, 2, 64, 8, jnp.float32, soft_cap=30.0, window=9)
+
+
+@settings(max_examples=12, deadline=None)
+@given(data=st.data(), t=st.sampled_from([1, 2, 5, 8, 16]), groups=st.sampled_from([1, 2, 4, 8]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), ps=st.sampled_from([8, 16, 32, 64]),
+       bf16=st.booleans())
+def test_random_shapes(data, t, groups, hkv, d, ps, bf16):
+    starts = data.draw(st.lists(st.sampled_from([0, 1, ps - 1, ps, ps + 1, 3 * ps + 5]), min_size=1, max_size=4))
+    rows = [(s, data.draw(st.integers(0 if i else 1, t))) for i, s in enumerate(starts)]
+    _check(rows, t, groups * hkv, hkv, d, ps, jnp.bfloat16 if bf16 else jnp.float32, seed=len(rows))

@@ -28,9 +28,12 @@ def write_kv(pages, new, batch):
         new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")
 
 
-def paged_attention(q, k_pages, v_pages, batch, scale: float):
+def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | None = None,
+                    window: int | None = None):
     """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> (out [B, T, H, D],
-    k_pages, v_pages) — the same pages, to be used in place of the inputs. A padding row gets zeros."""
+    k_pages, v_pages) — the same pages, to be used in place of the inputs. A padding row gets zeros.
+    soft_cap: scores -> cap * tanh(scores / cap). window: a query at position p sees KV positions
+    p - window + 1 .. p only."""
     b, t, h, d = q.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
     table = batch.block_table
@@ -48,7 +51,12 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float):
         k = k_pages[pages].reshape(b, blk, hkv, d)
         v = v_pages[pages].reshape(b, blk, hkv, d)
         s = jnp.einsum("btkgd,blkd->bkgtl", qg, k, preferred_element_type=jnp.float32) * scale
-        mask = (j * blk + jnp.arange(blk, dtype=jnp.int32))[None, None, :] <= limit[:, :, None]   # [B, T, L]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        kv_pos = (j * blk + jnp.arange(blk, dtype=jnp.int32))[None, None, :]
+        mask = kv_pos <= limit[:, :, None]                                              # [B, T, L]
+        if window is not None:
+            mask &= kv_pos > batch.positions[:, :, None] - window
         mask = mask[:, None, None]
         m_new = jnp.maximum(m, jnp.max(jnp.where(mask, s, -jnp.inf), axis=-1))
         p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
