@@ -5,7 +5,7 @@ import argparse
 import time
 
 from . import LLM, SamplingParams
-from .engine.llm import KERNELS
+from .kernels import KERNELS
 
 
 def main(argv=None) -> None:

@@ -12,7 +12,7 @@ import argparse
 import logging
 import os
 
-from .engine.llm import KERNELS
+from .kernels import KERNELS
 
 
 def parse_args(argv=None):

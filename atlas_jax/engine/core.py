@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
 from .detokenizer import IncrementalDetokenizer
 from .outputs import CompletionOutput, RequestOutput
@@ -57,7 +58,7 @@ class Request:
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
-                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int):
+                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -70,7 +71,8 @@ class EngineCore:
         self.slots = SlotAllocator(max_num_seqs)
         self.runner = ModelRunner(cfg, params, num_pages=self.num_pages, page_size=page_size, num_slots=max_num_seqs,
                                   max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
-                                  max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows)
+                                  max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows,
+                                  kernels=kernels)
         budget = max_num_batched_tokens or max(512, max_prefill_chunk)
         if budget < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..config import ModelConfig
+from ..kernels import resolve_kernels
 from ..tokenizer import Tokenizer
 from ..weights import load_model_params
 from .core import EngineCore
@@ -23,7 +24,6 @@ from .sampling_params import SamplingParams
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
            "float16": jnp.float16, "fp16": jnp.float16}
-KERNELS = ("auto", "xla", "pallas")
 
 
 def resolve_dtype(dtype) -> jnp.dtype:
@@ -64,10 +64,7 @@ class LLM:
                  max_prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, max_prefill_rows: int = 4,
                  preemption_mode: str = "swap", swap_space_gb: float = 4.0, seed: int = 0, load_mtp: bool = True,
                  warmup: bool = True, compile_cache_dir: str | None = None, progress: bool = True):
-        if kernels not in KERNELS:
-            raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-        if kernels == "pallas":
-            raise NotImplementedError("kernels='pallas' is not available yet; use 'xla' or 'auto'")
+        self.kernels = resolve_kernels(kernels)
         enable_compile_cache(default_compile_cache_dir() if compile_cache_dir is None else compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path
@@ -82,7 +79,7 @@ class LLM:
             self.cfg, self.params, self.tokenizer, dtype=self.dtype, page_size=page_size, num_pages=num_pages,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=max_prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_rows=max_prefill_rows,
-            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed)
+            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, kernels=self.kernels)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 

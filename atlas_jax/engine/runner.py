@@ -22,6 +22,7 @@ import numpy as np
 
 from ..batch import StepBatch
 from ..config import ModelConfig
+from ..kernels import XLA, Kernels
 from ..models.decoder import forward
 from ..state.cache import ModelState, init_state
 from .sampler import SamplingBatch, PenaltyState, init_penalty_state, record_fed_tokens, sample
@@ -59,14 +60,14 @@ def powers_of_two(cap: int) -> list[int]:
     return [1 << i for i in range(bucket(cap).bit_length())]
 
 
-def _step(cfg, params, state: EngineState, segments, sampling, prompt_lens):
+def _step(cfg, kernels, params, state: EngineState, segments, sampling, prompt_lens):
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    logits, _, model = forward(params, state.model, segments, cfg)
+    logits, _, model = forward(params, state.model, segments, cfg, kernels=kernels)
     return sample(logits, sampling, penalties), EngineState(model, penalties)
 
 
-def _logits_step(cfg, params, state: EngineState, segments):
-    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True)
+def _logits_step(cfg, kernels, params, state: EngineState, segments):
+    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
     return logits, EngineState(model, state.penalties)
 
 
@@ -101,8 +102,10 @@ def prefill_token_buckets(max_chunk: int) -> list[int]:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
-                 max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int):
+                 max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
+                 kernels: Kernels = XLA):
         self.cfg = cfg
+        self.kernels = kernels
         self.params = params
         self.num_pages = num_pages
         self.page_size = page_size
@@ -114,8 +117,8 @@ class ModelRunner:
         self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype),
                                  init_penalty_state(num_slots, cfg.vocab_size))
         self._jitted = {
-            "step": jax.jit(functools.partial(_step, cfg), donate_argnums=(1,)),
-            "logits": jax.jit(functools.partial(_logits_step, cfg), donate_argnums=(1,)),
+            "step": jax.jit(functools.partial(_step, cfg, kernels), donate_argnums=(1,)),
+            "logits": jax.jit(functools.partial(_logits_step, cfg, kernels), donate_argnums=(1,)),
             "save": jax.jit(_save, donate_argnums=(1,)),
             "restore": jax.jit(_restore, donate_argnums=(1,)),
         }

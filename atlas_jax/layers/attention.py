@@ -9,7 +9,10 @@ sequence in the step, so the compiled step does not depend on context length.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import paged_attention as pallas_attention
+
 from ..batch import join_segments, split_segments
+from ..kernels import XLA, Kernels
 from .norms import rms_norm
 from .rope import apply_rope
 
@@ -79,10 +82,10 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
     return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype), k_pages, v_pages
 
 
-def attention_layer(p, x, kv, segments, cos, sin, cfg):
+def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
     """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, q_norm,
     k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
-    Returns ([N, H], kv)."""
+    Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention."""
     n = x.shape[0]
     hd = cfg.head_dim
     q = x @ p["q"] + p["q_bias"] if "q_bias" in p else x @ p["q"]
@@ -102,7 +105,11 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg):
     for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):
         k_pages = write_kv(k_pages, k_s, seg)
         v_pages = write_kv(v_pages, v_s, seg)
-        o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5)
+        if kernels.pallas:
+            o = pallas_attention.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
+                                                 scale=hd ** -0.5, interpret=kernels.interpret)
+        else:
+            o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5)
         outs.append(o)
     o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:

@@ -9,7 +9,10 @@ g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert.
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import gdn as pallas_gdn
+
 from ..batch import join_segments, split_segments
+from ..kernels import XLA, Kernels
 from .norms import l2_normalize, rms_norm_gated
 
 CHUNK = 64
@@ -115,7 +118,26 @@ def _write_slot(pool, batch, value):
     return pool.at[batch.slot].set(value.astype(pool.dtype), mode="drop")
 
 
-def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
+def pallas_core(q, k, v, g, beta, h_pool, batch, interpret: bool):
+    """The recurrence through the Pallas kernels: q, k [B, T, Hk, Dk] (key heads, not repeated);
+    h_pool [S, Hv, Dk, Dv] (one state position per slot). Returns (o [B, T, Hv, Dv], h_pool)."""
+    b, t = q.shape[:2]
+    pool = h_pool[:, None]
+    zeros = jnp.zeros((b,), jnp.int32)
+    fresh = batch.start == 0
+    if t <= RECURRENT_MAX_T:
+        o, pool = pallas_gdn.gdn_recurrent(q, k, v, g, beta, pool, batch.slot, zeros, batch.q_len, fresh,
+                                           interpret=interpret)
+        return o, pool[:, 0]
+    tp = -(-t // pallas_gdn.CHUNK) * pallas_gdn.CHUNK          # rows start on chunk boundaries
+    flat = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)).reshape(b * tp, *x.shape[2:])
+    offset = jnp.arange(b, dtype=jnp.int32) * tp
+    o, pool = pallas_gdn.gdn_chunked(*(flat(x) for x in (q, k, v, g, beta)), pool, offset, batch.q_len,
+                                     batch.slot, zeros, fresh, interpret=interpret)
+    return o.reshape(b, tp, *o.shape[1:])[:, :t], pool[:, 0]
+
+
+def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     """The sequence-local part of one segment: conv, recurrence, state write-back.
     mixed [B, T, C] (q|k|v before the conv); a_gate, b_gate [B, T, Hv]. Returns (o [B, T, Hv, Dv] fp32, ssm)."""
     b, t, _ = mixed.shape
@@ -137,17 +159,22 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
         mixed, window = causal_conv(mixed, window, p["conv"], batch.q_len)
         conv_pool = _write_slot(conv_pool, batch, window)
     q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
-    q = jnp.repeat(q.reshape(b, t, hk, dk), r, axis=2)            # key head i serves value heads i*r..i*r+r-1
-    k = jnp.repeat(k.reshape(b, t, hk, dk), r, axis=2)
+    q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
+    k = l2_normalize(k.reshape(b, t, hk, dk))
     v = v.reshape(b, t, hv, dv)
-    q = l2_normalize(q) * dk ** -0.5
-    k = l2_normalize(k)
 
     valid = batch.valid[..., None]
     beta = jnp.where(valid, jax.nn.sigmoid(b_gate.astype(jnp.float32)), 0.0)
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     g = jnp.where(valid, g, 0.0)
 
+    if kernels.pallas:
+        o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, kernels.interpret)
+        if decode:
+            conv_pool = _write_slot(conv_pool, batch, _after(window, o))
+        return o, (h_pool, conv_pool)
+    q = jnp.repeat(q, r, axis=2)            # key head i serves value heads i*r..i*r+r-1
+    k = jnp.repeat(k, r, axis=2)
     s0 = _read_slot(h_pool, batch, fresh)
     if decode:
         s = s0 * jnp.exp(g[:, 0])[..., None, None]
@@ -163,7 +190,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg):
     return o, (h_pool, conv_pool)
 
 
-def gdn_layer(p, x, ssm, segments, cfg):
+def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
     """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
     norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K]).
     x [N, H] flat over the segments -> ([N, H], ssm)."""
@@ -177,7 +204,7 @@ def gdn_layer(p, x, ssm, segments, cfg):
     mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
     outs = []
     for seg, m_s, a_s, b_s in zip(segments, *(split_segments(a, segments) for a in (mixed, a_gate, b_gate))):
-        o, ssm = gdn_mix(m_s, a_s, b_s, ssm, seg, p, cfg)
+        o, ssm = gdn_mix(m_s, a_s, b_s, ssm, seg, p, cfg, kernels)
         outs.append(o)
     o = join_segments(outs)                                          # [N, Hv, Dv]
     o = rms_norm_gated(o.astype(x.dtype), z.reshape(n, hv, dv), p["norm"], cfg.rms_norm_eps)

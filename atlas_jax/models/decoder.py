@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from ..batch import StepBatch, split_segments
 from ..config import FULL_ATTENTION, ModelConfig
+from ..kernels import XLA, Kernels
 from ..layers.attention import attention_layer
 from ..layers.gdn import gdn_layer
 from ..layers.mlp import swiglu
@@ -22,14 +23,14 @@ from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
 
 
-def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int):
+def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA):
     """One pre-norm residual block. Returns (x, layer_state)."""
     with jax.named_scope(f"layer_{i}"):
         h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.layer_types[i] == FULL_ATTENTION:
-            h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg)
+            h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels)
         else:
-            h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg)
+            h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels)
         x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.moe_layers[i]:
@@ -44,10 +45,11 @@ def lm_head(params, x):
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False):
+def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
+            kernels: Kernels = XLA):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
-    hidden: final-normed hidden states at the same positions."""
+    hidden: final-normed hidden states at the same positions. kernels: XLA layers or Pallas kernels."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
@@ -56,10 +58,10 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
     n_attn = n_gdn = 0
     for i, p in enumerate(params["layers"]):
         if cfg.layer_types[i] == FULL_ATTENTION:
-            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i)
+            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i, kernels)
             n_attn += 1
         else:
-            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i)
+            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i, kernels)
             n_gdn += 1
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
     if all_logits:
