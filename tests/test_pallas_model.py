@@ -1,7 +1,8 @@
 """The whole model through the Pallas kernels (interpret mode on CPU) against the XLA layers:
 greedy tokens must be equal for a tiny Qwen3-Next (GDN recurrent + chunked kernels, attention)
 and a tiny Qwen3 (attention only), over prompts that take the decode, short-chunk and
-multi-chunk prefill paths, alone and batched (mixed decode + prefill steps)."""
+multi-chunk prefill paths, alone and batched (mixed decode + prefill steps). (Checked to fail
+when the chunked kernel drops the carried state.)"""
 import pytest
 
 import hf_models
@@ -17,7 +18,8 @@ LENGTHS = [5, 20, 70, 131]          # recurrent (T <= 16) chunks, one chunk, chu
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3"])
 def test_pallas_tokens_equal_xla(ckpt_dir, family):
     maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
-    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256)
+    # init 0.2 (not HF's 0.02, whose logits are nearly uniform) so that a wrong state carry changes tokens
+    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2)
     prompts = random_prompts(256, LENGTHS, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     xla = LLM(path, kernels="xla", **ENGINE)
