@@ -25,6 +25,8 @@ class StepBatch:
     start: jax.Array         # [B] int32 tokens already in this row's cache (position of column 0)
     block_table: jax.Array   # [B, P] int32 page ids of the row's KV, in order (unused entries: 0)
     slot: jax.Array          # [B] int32 recurrent-state slot; num_slots (out of range) for padding rows
+    state_idx: jax.Array     # [B] int32 state position the row's recurrent state is read from (0 unless
+                             # speculating: then the position of the last accepted token, see layers/gdn.py)
 
     @property
     def positions(self):     # [B, T]

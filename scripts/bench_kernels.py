@@ -65,7 +65,7 @@ def attention_case(batch, context, quick, interpret):
     kernel = jax.jit(lambda q, k, v: pallas_attention.paged_attention(q, k, v, table, start, q_len, scale=scale,
                                                                       interpret=interpret))
     seg = StepBatch(tokens=jnp.zeros((batch, 1), jnp.int32), q_len=q_len, start=start, block_table=table,
-                    slot=jnp.zeros((batch,), jnp.int32))
+                    slot=jnp.zeros((batch,), jnp.int32), state_idx=jnp.zeros((batch,), jnp.int32))
     xla = jax.jit(lambda q, k, v: xla_attention.paged_attention(q, k, v, seg, scale)[0])
     kv_bytes = 2 * batch * context * kv_heads * d * 2
     t_k, t_x = timed(kernel, q, kp, vp), timed(xla, q, kp, vp)

@@ -50,7 +50,7 @@ def _check(rows, t, h, hkv, d, ps, dtype, seed=0, **opts):
     q, k, v, table, start, q_len = _case(seed, rows, t, h, hkv, d, ps, dtype)
     scale = d ** -0.5
     seg = StepBatch(tokens=jnp.zeros((len(rows), t), jnp.int32), q_len=q_len, start=start, block_table=table,
-                    slot=jnp.zeros((len(rows),), jnp.int32))
+                    slot=jnp.zeros((len(rows),), jnp.int32), state_idx=jnp.zeros((len(rows),), jnp.int32))
     ref_opts = {key: opts[key] for key in ("soft_cap", "window") if key in opts}
     ref, _, _ = reference(q, k, v, seg, scale, **ref_opts)
     out = paged_attention(q, k, v, table, start, q_len, scale=scale, interpret=INTERPRET, **opts)

@@ -21,6 +21,7 @@ from .runner import ModelRunner, RowInput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
+from .speculative import NgramProposer, ScriptedProposer, SpecStats, SpeculativeConfig, wants_drafts
 
 
 class Request:
@@ -58,7 +59,8 @@ class Request:
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
-                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA):
+                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
+                 speculative: SpeculativeConfig | None = None):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -72,7 +74,11 @@ class EngineCore:
         self.runner = ModelRunner(cfg, params, num_pages=self.num_pages, page_size=page_size, num_slots=max_num_seqs,
                                   max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
                                   max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows,
-                                  kernels=kernels)
+                                  kernels=kernels,
+                                  max_verify_tokens=1 + speculative.num_drafts if speculative else 1)
+        self.speculative = speculative
+        self.proposer = make_proposer(speculative, self) if speculative else None
+        self.spec_stats = SpecStats()
         budget = max_num_batched_tokens or max(512, max_prefill_chunk)
         if budget < max_num_seqs:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")
@@ -164,6 +170,10 @@ class EngineCore:
                 raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
             return []
         now = time.monotonic()
+        if self.proposer is not None and plan.decode and not plan.prefill:
+            drafts = self._drafts(plan.decode)
+            if any(drafts):
+                return self._verify_step(plan.decode, drafts, now)
         work = [(s, 1) for s in plan.decode] + plan.prefill
         for s, _ in work:
             if s.metrics.first_scheduled_time is None:
@@ -174,12 +184,18 @@ class EngineCore:
         touched = {}
         for i, (seq, n) in enumerate(work):
             seq.num_cached += n
+            seq.state_idx = min(n, self.runner.state_positions) - 1
             if seq.num_uncached:
                 continue                                  # a prompt chunk that did not reach the end
             seq.append(int(out["tokens"][i]), self.cfg.eos_token_ids, self._logprobs(seq, out, i))
             touched[seq.request.request_id] = seq.request
             if seq.finished:
                 self.scheduler.remove(seq)
+        if plan.decode and self.proposer is not None:
+            self.spec_stats.record_decode(len(plan.decode), len(plan.decode))
+        return self._finish_step(touched)
+
+    def _finish_step(self, touched: dict) -> list[Request]:
         for rid, req in touched.items():
             if req.finished:
                 self.requests.pop(rid, None)
@@ -187,7 +203,48 @@ class EngineCore:
 
     def _row(self, seq: Sequence, n: int) -> RowInput:
         return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
-                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids))
+                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
+                        state_idx=seq.state_idx)
+
+    # ---- speculative decoding ---------------------------------------------------------------
+    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Drafts per decoding sequence, capped by num_drafts, the tokens the request may still emit
+        (a verify emits up to drafts + 1) and the pages that can be had without preempting."""
+        caps = []
+        for s in seqs:
+            room = min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) - 1
+            cap = min(self.speculative.num_drafts, room) if wants_drafts(s) else 0
+            if cap > 0:
+                cap = min(cap, self.scheduler.lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
+            caps.append(max(cap, 0))
+        drafts = self.proposer.propose(seqs, caps)
+        return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
+
+    def _verify_step(self, seqs: list[Sequence], drafts: list[list[int]], now: float) -> list[Request]:
+        for s in seqs:
+            if s.metrics.first_scheduled_time is None:
+                s.metrics.first_scheduled_time = now
+        emitted = self.runner.verify([self._row(s, 1) for s in seqs], drafts)
+        self.num_steps += 1
+        self.spec_stats.verify_steps += 1
+        self.spec_stats.record_decode(len(seqs), sum(len(e) for e in emitted))
+        lp = self.runner.verify_logprobs
+        touched = {}
+        for i, (seq, d, toks) in enumerate(zip(seqs, drafts, emitted)):
+            accepted = len(toks) - 1
+            if d:
+                self.spec_stats.record(len(d), accepted)
+            seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
+            seq.state_idx = accepted                    # ... and their recurrent state is at this position
+            self.proposer.verified(seq, len(d), accepted)
+            for tok in toks:
+                seq.append(tok, self.cfg.eos_token_ids, self._logprobs(seq, lp, i) if lp and not d else None)
+                if seq.finished:
+                    break
+            touched[seq.request.request_id] = seq.request
+            if seq.finished:
+                self.scheduler.remove(seq)
+        return self._finish_step(touched)
 
     @staticmethod
     def _logprobs(seq: Sequence, out, i: int) -> dict[int, float] | None:
@@ -212,6 +269,14 @@ class EngineCore:
 
     def warmup(self, progress: bool = True) -> int:
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress)
+
+
+def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
+    if spec.method == "ngram":
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method == "scripted":
+        return ScriptedProposer(spec.propose)
+    raise ValueError(f"speculative method {spec.method!r} is not available yet")
 
 
 class _Swapper:

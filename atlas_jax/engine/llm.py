@@ -21,6 +21,7 @@ from ..weights import load_model_params
 from .core import EngineCore
 from .runner import RowInput
 from .sampling_params import SamplingParams
+from .speculative import SpeculativeConfig
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
            "float16": jnp.float16, "fp16": jnp.float16}
@@ -57,14 +58,18 @@ class LLM:
     (default: every slot can hold max_model_len), max_prefill_chunk (tokens per prefill row per
     step), max_num_batched_tokens (token budget per step), max_prefill_rows, preemption_mode
     ("swap" | "recompute"), swap_space_gb (host memory for swapped sequences). warmup=True
-    compiles every step bucket up front; compile_cache_dir ("" = off) persists them across runs."""
+    compiles every step bucket up front; compile_cache_dir ("" = off) persists them across runs.
+    speculative={"method": "ngram" | "scripted", "num_drafts": k, ...} turns on speculative decoding
+    (engine/speculative.py); `spec_stats()` reports acceptance."""
 
     def __init__(self, model: str | None = None, *, dtype="auto", kernels: str = "auto", page_size: int = 16,
                  num_pages: int | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
                  max_prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, max_prefill_rows: int = 4,
                  preemption_mode: str = "swap", swap_space_gb: float = 4.0, seed: int = 0, load_mtp: bool = True,
-                 warmup: bool = True, compile_cache_dir: str | None = None, progress: bool = True):
+                 warmup: bool = True, compile_cache_dir: str | None = None, progress: bool = True,
+                 speculative: dict | None = None):
         self.kernels = resolve_kernels(kernels)
+        spec = SpeculativeConfig.parse(speculative)
         enable_compile_cache(default_compile_cache_dir() if compile_cache_dir is None else compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path
@@ -79,13 +84,18 @@ class LLM:
             self.cfg, self.params, self.tokenizer, dtype=self.dtype, page_size=page_size, num_pages=num_pages,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=max_prefill_chunk,
             max_num_batched_tokens=max_num_batched_tokens, max_prefill_rows=max_prefill_rows,
-            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, kernels=self.kernels)
+            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, kernels=self.kernels,
+            speculative=spec)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 
     @property
     def num_compiles(self) -> int:
         return self.engine.num_compiles
+
+    def spec_stats(self) -> dict:
+        """Speculative decoding counters: acceptance rate, mean accepted length, tokens per target step."""
+        return self.engine.spec_stats.summary()
 
     blocks = property(lambda self: self.engine.blocks)
     slots = property(lambda self: self.engine.slots)
@@ -129,10 +139,11 @@ class LLM:
         try:
             if pages is None or slot is None:
                 raise RuntimeError("no free pages / slot for scoring")
-            out = []
+            out, state_idx = [], 0
             for s in range(0, len(ids), chunk):
-                row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot[0])
+                row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot[0], state_idx=state_idx)
                 out += self.runner.prompt_logits([row])
+                state_idx = min(len(row.tokens), self.runner.state_positions) - 1
             return np.concatenate(out, axis=0)
         finally:
             if pages:

@@ -25,7 +25,7 @@ from ..config import ModelConfig
 from ..kernels import XLA, Kernels
 from ..models.decoder import forward
 from ..state.cache import ModelState, init_state
-from .sampler import SamplingBatch, PenaltyState, init_penalty_state, record_fed_tokens, sample
+from .sampler import SamplingBatch, PenaltyState, init_penalty_state, record_fed_tokens, sample, verify
 from .sampling_params import SamplingParams
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -42,6 +42,7 @@ class RowInput:
     seed: int = 0
     step: int = 0              # tokens this request has sampled so far
     prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
+    state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
 
 
 @jax.tree_util.register_dataclass
@@ -64,6 +65,15 @@ def _step(cfg, kernels, params, state: EngineState, segments, sampling, prompt_l
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
     logits, _, model = forward(params, state.model, segments, cfg, kernels=kernels)
     return sample(logits, sampling, penalties), EngineState(model, penalties)
+
+
+def _verify_step(cfg, kernels, params, state: EngineState, segments, sampling, prompt_lens, drafts):
+    """One [B, K] segment of rows feeding (last token, drafts...): the plain sample at position 0 (for
+    rows without drafts: penalties, logprobs) and the acceptance test at every position."""
+    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
+    (logits,), _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
+    first = sample(logits[:, 0], sampling, penalties)
+    return (first, *verify(logits, drafts, sampling)), EngineState(model, penalties)
 
 
 def _logits_step(cfg, kernels, params, state: EngineState, segments):
@@ -103,7 +113,7 @@ def prefill_token_buckets(max_chunk: int) -> list[int]:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
-                 kernels: Kernels = XLA):
+                 kernels: Kernels = XLA, max_verify_tokens: int = 1):
         self.cfg = cfg
         self.kernels = kernels
         self.params = params
@@ -114,17 +124,21 @@ class ModelRunner:
         self.decode_buckets = powers_of_two(max_num_seqs)
         self.prefill_row_buckets = powers_of_two(max_prefill_rows)
         self.prefill_token_buckets = prefill_token_buckets(max_prefill_chunk)
-        self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype),
+        self.verify_sizes = list(range(2, max_verify_tokens + 1))    # K buckets: last token + K - 1 drafts
+        self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
+        self.verify_logprobs = None
+        self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
                                  init_penalty_state(num_slots, cfg.vocab_size))
         self._jitted = {
             "step": jax.jit(functools.partial(_step, cfg, kernels), donate_argnums=(1,)),
             "logits": jax.jit(functools.partial(_logits_step, cfg, kernels), donate_argnums=(1,)),
+            "verify": jax.jit(functools.partial(_verify_step, cfg, kernels), donate_argnums=(1,)),
             "save": jax.jit(_save, donate_argnums=(1,)),
             "restore": jax.jit(_restore, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
-        self.step_counts = {"decode": 0, "mixed": 0}    # steps run, by kind
+        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0}    # steps run, by kind
 
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
@@ -133,6 +147,10 @@ class ModelRunner:
         shapes = [((b, 1),) for b in self.decode_buckets]
         shapes += [((bd, 1), (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
         return shapes
+
+    def verify_shapes(self) -> list[tuple[int, int]]:
+        """Every [B, K] verify segment `verify` can run."""
+        return [(b, k) for k in self.verify_sizes for b in self.decode_buckets]
 
     def swap_buckets(self) -> list[int]:
         return powers_of_two(self.max_pages_per_seq)
@@ -154,6 +172,7 @@ class ModelRunner:
         start = np.zeros((b,), np.int32)
         table = np.zeros((b, p), np.int32)
         slot = np.full((b,), self.num_slots, np.int32)          # padding rows: out of range
+        state_idx = np.zeros((b,), np.int32)
         for i, r in enumerate(rows):
             n = len(r.tokens)
             if not 1 <= n <= t:
@@ -161,10 +180,10 @@ class ModelRunner:
             if -(-(r.start + n) // self.page_size) > min(len(r.block_table), p):
                 raise ValueError(f"row {i} needs pages for {r.start + n} tokens; it has {len(r.block_table)}")
             tokens[i, :n] = r.tokens
-            q_len[i], start[i], slot[i] = n, r.start, r.slot
+            q_len[i], start[i], slot[i], state_idx[i] = n, r.start, r.slot, r.state_idx
             table[i, :len(r.block_table)] = r.block_table
         return StepBatch(tokens=jnp.asarray(tokens), q_len=jnp.asarray(q_len), start=jnp.asarray(start),
-                         block_table=jnp.asarray(table), slot=jnp.asarray(slot))
+                         block_table=jnp.asarray(table), slot=jnp.asarray(slot), state_idx=jnp.asarray(state_idx))
 
     def _sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
         """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows
@@ -227,6 +246,43 @@ class ModelRunner:
                           top_logprobs=np.asarray(out.top_logprobs)[live])
         return result
 
+    def verify(self, rows: list[RowInput], drafts: list[list[int]]) -> list[list[int]]:
+        """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none; the
+        step is compiled per (batch bucket, K = 1 + the most drafts)). Returns the tokens each row
+        emits: its accepted drafts and then the target's own token (1 + accepted tokens). Rows with
+        no drafts get exactly what `step` would give them, penalties and logprobs included
+        (`verify_logprobs` holds the latter until the next step)."""
+        if len(rows) > self.decode_buckets[-1]:
+            raise ValueError(f"{len(rows)} verify rows; the largest bucket is {self.decode_buckets[-1]}")
+        k = 1 + max(len(d) for d in drafts)
+        if k not in self.verify_sizes:
+            raise ValueError(f"{k - 1} drafts in a row; this engine verifies up to {len(self.verify_sizes)}")
+        b = bucket(len(rows))
+        rows = [dataclasses.replace(r, tokens=list(r.tokens) + list(d)) for r, d in zip(rows, drafts)]
+        seg = self._segment(rows, b, k)
+        draft_cols = np.full((b, k), -1, np.int32)
+        for i, d in enumerate(drafts):
+            draft_cols[i, :len(d)] = d
+        prompt_lens = (jnp.asarray(np.array([r.prompt_len for r in rows] + [0] * (b - len(rows)), np.int32)),)
+        first, target, accept = self._run("verify", (seg,), self._sampling(rows, b), prompt_lens,
+                                          jnp.asarray(draft_cols))
+        self.step_counts["verify"] += 1
+        first_tokens, target, accept = np.asarray(first.tokens), np.asarray(target), np.asarray(accept)
+        self.verify_logprobs = None
+        if any(r.params.logprobs is not None for r in rows):
+            self.verify_logprobs = dict(logprob=np.asarray(first.logprob), top_ids=np.asarray(first.top_ids),
+                                        top_logprobs=np.asarray(first.top_logprobs), tokens=first_tokens)
+        out = []
+        for i, d in enumerate(drafts):
+            if not d:
+                out.append([int(first_tokens[i])])
+                continue
+            n = 0
+            while n < len(d) and accept[i, n]:
+                n += 1
+            out.append([int(t) for t in d[:n]] + [int(target[i, n])])
+        return out
+
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
         t = bucket(max(len(r.tokens) for r in rows))
@@ -262,7 +318,7 @@ class ModelRunner:
         Returns the number of new compilations."""
         from tqdm import tqdm
         before = self.num_compiles
-        jobs = [("step", s) for s in self.step_shapes()]
+        jobs = [("step", s) for s in self.step_shapes()] + [("verify", s) for s in self.verify_shapes()]
         if swap:
             jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
         for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
@@ -271,13 +327,17 @@ class ModelRunner:
 
     def _compile_abstract(self, kind, shape) -> None:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        if kind == "step":
-            segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b)) for b, t in shape)
+        if kind in ("step", "verify"):
+            shape = (shape,) if kind == "verify" else shape
+            segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
+                         for b, t in shape)
             b = sum(bb for bb, _ in shape)
             f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
             sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
                                      jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b))
             args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
+            if kind == "verify":
+                args += (i32(*shape[0]),)
         else:
             saved = jax.eval_shape(lambda st: _save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())

@@ -98,15 +98,22 @@ def _top_k_top_p_mask(scaled, top_k, top_p):
     return jnp.where(keep_vocab, scaled, -jnp.inf)
 
 
-def _draw(logits, s: SamplingBatch):
+def _processed(logits, s: SamplingBatch):
+    """The logits a row samples from: temperature-scaled, tokens outside top-k / top-p / min-p at -inf."""
     scaled = logits / jnp.maximum(s.temperature, 1e-6)[:, None]
     filtered = jnp.any((s.temperature > 0) & ((s.top_k > 0) | (s.top_p < 1.0)))
     scaled = jax.lax.cond(filtered, jax.vmap(_top_k_top_p_mask), lambda x, k, p: x, scaled, s.top_k, s.top_p)
     probs = jax.nn.softmax(scaled, axis=-1)
     keep = probs >= s.min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
-    scaled = jnp.where(keep, scaled, -jnp.inf)
-    keys = jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seed, s.step)
-    return jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(keep, scaled, -jnp.inf)
+
+
+def _keys(s: SamplingBatch):
+    return jax.vmap(lambda seed, step: jax.random.fold_in(jax.random.PRNGKey(seed), step))(s.seed, s.step)
+
+
+def _draw(logits, s: SamplingBatch):
+    return jax.vmap(jax.random.categorical)(_keys(s), _processed(logits, s)).astype(jnp.int32)
 
 
 def _logprobs(logits, tokens, s: SamplingBatch):
@@ -132,3 +139,41 @@ def sample(logits, s: SamplingBatch, ps: PenaltyState | None = None) -> SampleOu
              jnp.zeros((b, MAX_LOGPROBS), jnp.float32))
     lp = jax.lax.cond(jnp.any(s.num_logprobs >= 0), _logprobs, lambda *_: empty, raw, tokens, s)
     return SampleOut(tokens, *lp)
+
+
+def _verify_sampled(logits, drafts, s: SamplingBatch, greedy):
+    """Speculative sampling with deterministic drafts (the draft distribution q is one-hot): accept
+    draft d with probability p(d); on rejection draw from the residual max(p - q, 0), i.e. p with d
+    removed. A position without a draft (d < 0) draws from p with the plain sampler's key."""
+    probs_from = _processed(logits, s)
+    keys = _keys(s)
+    u_keys, r_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
+    d = jnp.maximum(drafts, 0)
+    p_d = jnp.take_along_axis(jax.nn.softmax(probs_from, axis=-1), d[:, None], axis=1)[:, 0]
+    accept = jax.vmap(jax.random.uniform)(u_keys) < p_d
+    residual = jnp.where((jnp.arange(logits.shape[-1])[None, :] == d[:, None]) & (drafts[:, None] >= 0),
+                         -jnp.inf, probs_from)
+    token = jax.vmap(jax.random.categorical)(jnp.where((drafts >= 0)[:, None], r_keys, keys), residual)
+    sampled = s.temperature > 0
+    return (jnp.where(sampled, token.astype(jnp.int32), greedy),
+            jnp.where(sampled, accept & (drafts >= 0), drafts == greedy))
+
+
+def verify(logits, drafts, s: SamplingBatch):
+    """Acceptance of drafted tokens. logits [B, K, V]: the target's logits after each fed token
+    (position t follows the row's t-th fed token); drafts [B, K]: the draft the row fed at position
+    t + 1 (-1 where none). s: the rows' sampling columns, step = tokens the row's request produced
+    before this step; position t uses step + t, so the RNG stream follows accepted tokens only.
+    Returns (target [B, K] i32, accept [B, K] bool): the host emits drafts while accepted and, at
+    the first rejection (or after the last draft), target at that position. Greedy rows: target =
+    argmax, accept = (draft == argmax). Penalties are not applied (rows with penalties or logprobs
+    are given no drafts; their one token comes from `sample`)."""
+    b, k, v = logits.shape
+    flat = logits.reshape(b * k, v)
+    rep = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), s)
+    rep = dataclasses.replace(rep, step=rep.step + jnp.tile(jnp.arange(k, dtype=jnp.int32), b))
+    greedy = jnp.argmax(flat, axis=-1).astype(jnp.int32)
+    d = drafts.reshape(-1)
+    target, accept = jax.lax.cond(jnp.any(s.temperature > 0), _verify_sampled,
+                                  lambda l, d, s, g: (g, d == g), flat, d, rep, greedy)
+    return target.reshape(b, k), accept.reshape(b, k)

@@ -127,6 +127,14 @@ class Scheduler:
             seq.pages += self.blocks.allocate(need)
         return True
 
+    def lookahead(self, seq: Sequence, num_tokens: int) -> int:
+        """Pages for up to num_tokens (drafts) from free pages only, never preempting: returns how
+        many tokens seq's pages now cover (>= what the step needs already)."""
+        need = self.blocks.pages_for(num_tokens) - len(seq.pages)
+        if need > 0:
+            seq.pages += self.blocks.allocate(min(need, self.blocks.num_free))
+        return min(num_tokens, len(seq.pages) * self.blocks.page_size)
+
     def _admit(self, chosen: dict) -> None:
         cfg = self.config
         while self.waiting and not self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
@@ -167,7 +175,7 @@ class Scheduler:
                 return
         self.num_preemptions["recompute"] += 1
         self._release(seq)
-        seq.num_cached = 0
+        seq.num_cached = seq.state_idx = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -60,6 +60,7 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None
     cumulative_logprob: float = 0.0
     num_cached: int = 0
+    state_idx: int = 0                         # recurrent-state position holding the state after num_cached
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     swapped_state: object = None               # host copy while SWAPPED

@@ -19,18 +19,22 @@ CHUNK = 64
 RECURRENT_MAX_T = 16   # chunks up to this many tokens use the token-by-token form
 
 
-def recurrent(q, k, v, g, beta, s0):
+def recurrent(q, k, v, g, beta, s0, all_states: bool = False):
     """q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; s0 [B, H, Dk, Dv] (all fp32,
-    q already scaled). Returns (o [B, T, H, Dv], s_final)."""
+    q already scaled). Returns (o [B, T, H, Dv], s_final), plus the state after every token
+    [B, T, H, Dk, Dv] with all_states."""
     def step(s, xs):
         q_t, k_t, v_t, g_t, b_t = xs
         s = s * jnp.exp(g_t)[..., None, None]
         delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
         s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        o = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        return s, ((o, s) if all_states else o)
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    s, o = jax.lax.scan(step, s0, xs)
-    return jnp.moveaxis(o, 0, 1), s
+    s, ys = jax.lax.scan(step, s0, xs)
+    if all_states:
+        return jnp.moveaxis(ys[0], 0, 1), s, jnp.moveaxis(ys[1], 0, 1)
+    return jnp.moveaxis(ys, 0, 1), s
 
 
 def unit_lower_inverse(a):
@@ -87,23 +91,31 @@ def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
     return o[:, :t], s
 
 
-def causal_conv(x, window, w, q_len):
+def causal_conv(x, window, w, q_len, all_windows: bool = False):
     """Depthwise causal conv1d + SiLU over a chunk.
     x [B, T, C]; window [B, C, K] (the K inputs before column 0, oldest first); w [C, K];
     q_len [B]. Returns (y [B, T, C], new window [B, C, K] = the last K inputs up to column
-    q_len - 1, i.e. unchanged for a row with q_len 0)."""
+    q_len - 1, i.e. unchanged for a row with q_len 0), or with all_windows the window after
+    every column [B, T, C, K] in place of the new window."""
     kw = w.shape[-1]
     t = x.shape[1]
     ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), x], axis=1)   # [B, K+T, C]
     y = sum(ext[:, j + 1:j + 1 + t, :].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(kw))
+    if all_windows:
+        windows = jnp.stack([ext[:, i + 1:i + 1 + kw] for i in range(t)], axis=1)     # [B, T, K, C]
+        return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(windows, 2, 3)
     new_window = jax.vmap(lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, kw, axis=0))(ext, q_len)
     return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(new_window, 1, 2)
 
 
+# State pools are [S, R, ...]: R state positions per slot (R > 1 under speculative decoding). A row
+# reads at (slot, state_idx); the state after its token t goes to (slot, t) for t < R - 1, the state
+# after its last token to (slot, min(q_len - 1, R - 1)) — the same contract as pallas_kernels/gdn.py.
+
 def _read_slot(pool, batch, fresh):
-    """pool[slot] per row ([B, ...]); zeros for padding rows (slot out of range) and for rows that
-    start a sequence."""
-    x = jnp.take(pool, batch.slot, axis=0, mode="fill", fill_value=0)
+    """pool[slot, state_idx] per row ([B, ...]); zeros for padding rows (slot out of range) and for
+    rows that start a sequence."""
+    x = pool.at[batch.slot, batch.state_idx].get(mode="fill", fill_value=0)
     return jnp.where(fresh.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
 
 
@@ -114,27 +126,38 @@ def _after(value, dep):
     return value + zero.reshape((-1,) + (1,) * (value.ndim - 1)).astype(value.dtype)
 
 
-def _write_slot(pool, batch, value):
-    return pool.at[batch.slot].set(value.astype(pool.dtype), mode="drop")
+def _write_final(pool, batch, value):
+    """value [B, ...] = the state after each row's last token."""
+    idx = jnp.clip(batch.q_len - 1, 0, pool.shape[1] - 1)
+    return pool.at[batch.slot, idx].set(value.astype(pool.dtype), mode="drop")
+
+
+def _write_each(pool, batch, values):
+    """values [B, T, ...] = the state after every column; written per the pool contract above."""
+    b, t = values.shape[:2]
+    r = pool.shape[1]
+    col = jnp.arange(t, dtype=jnp.int32)[None, :]
+    keep = batch.valid & ((col < r - 1) | (col == batch.q_len[:, None] - 1))
+    slot = jnp.where(keep, batch.slot[:, None], pool.shape[0]).reshape(-1)
+    idx = jnp.broadcast_to(jnp.minimum(col, r - 1), (b, t)).reshape(-1)
+    return pool.at[slot, idx].set(values.reshape(b * t, *values.shape[2:]).astype(pool.dtype), mode="drop")
 
 
 def pallas_core(q, k, v, g, beta, h_pool, batch, interpret: bool):
     """The recurrence through the Pallas kernels: q, k [B, T, Hk, Dk] (key heads, not repeated);
-    h_pool [S, Hv, Dk, Dv] (one state position per slot). Returns (o [B, T, Hv, Dv], h_pool)."""
+    h_pool [S, R, Hv, Dk, Dv]. Returns (o [B, T, Hv, Dv], h_pool)."""
     b, t = q.shape[:2]
-    pool = h_pool[:, None]
-    zeros = jnp.zeros((b,), jnp.int32)
+    pool = h_pool
     fresh = batch.start == 0
     if t <= RECURRENT_MAX_T:
-        o, pool = pallas_gdn.gdn_recurrent(q, k, v, g, beta, pool, batch.slot, zeros, batch.q_len, fresh,
-                                           interpret=interpret)
-        return o, pool[:, 0]
+        return pallas_gdn.gdn_recurrent(q, k, v, g, beta, pool, batch.slot, batch.state_idx, batch.q_len, fresh,
+                                        interpret=interpret)
     tp = -(-t // pallas_gdn.CHUNK) * pallas_gdn.CHUNK          # rows start on chunk boundaries
     flat = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)).reshape(b * tp, *x.shape[2:])
     offset = jnp.arange(b, dtype=jnp.int32) * tp
     o, pool = pallas_gdn.gdn_chunked(*(flat(x) for x in (q, k, v, g, beta)), pool, offset, batch.q_len,
-                                     batch.slot, zeros, fresh, interpret=interpret)
-    return o.reshape(b, tp, *o.shape[1:])[:, :t], pool[:, 0]
+                                     batch.slot, batch.state_idx, fresh, interpret=interpret)
+    return o.reshape(b, tp, *o.shape[1:])[:, :t], pool
 
 
 def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
@@ -146,6 +169,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     h_pool, conv_pool = ssm
     fresh = batch.start == 0                    # a sequence's first chunk starts from zero state
     decode = t == 1
+    keep_all = h_pool.shape[1] > 1 and 1 < t <= RECURRENT_MAX_T    # verify-sized chunk: keep per-token states
     window = _read_slot(conv_pool, batch, fresh)
     if decode:
         # One token. The pool writes are made to depend on the outputs computed from the old values
@@ -155,9 +179,12 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
         w = p["conv"].astype(jnp.float32)        # taps summed one by one: an elementwise fusion, no reduce op
         y = sum(window[..., j].astype(jnp.float32) * w[:, j] for j in range(w.shape[-1]))
         mixed = jax.nn.silu(y).astype(mixed.dtype)[:, None, :]
+    elif keep_all:
+        mixed, windows = causal_conv(mixed, window, p["conv"], batch.q_len, all_windows=True)
+        conv_pool = _write_each(conv_pool, batch, windows)
     else:
         mixed, window = causal_conv(mixed, window, p["conv"], batch.q_len)
-        conv_pool = _write_slot(conv_pool, batch, window)
+        conv_pool = _write_final(conv_pool, batch, window)
     q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
     k = l2_normalize(k.reshape(b, t, hk, dk))
@@ -171,7 +198,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     if kernels.pallas:
         o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, kernels.interpret)
         if decode:
-            conv_pool = _write_slot(conv_pool, batch, _after(window, o))
+            conv_pool = _write_final(conv_pool, batch, _after(window, o))
         return o, (h_pool, conv_pool)
     q = jnp.repeat(q, r, axis=2)            # key head i serves value heads i*r..i*r+r-1
     k = jnp.repeat(k, r, axis=2)
@@ -181,18 +208,21 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
         delta = (v[:, 0] - jnp.einsum("bhkv,bhk->bhv", s, k[:, 0])) * beta[:, 0, :, None]
         s1 = s + k[:, 0, :, :, None] * delta[:, :, None, :]
         o = jnp.einsum("bhkv,bhk->bhv", s1, q[:, 0])[:, None]
-        h_pool = _write_slot(h_pool, batch, _after(s1, o))
-        conv_pool = _write_slot(conv_pool, batch, _after(window, o))
+        h_pool = _write_final(h_pool, batch, _after(s1, o))
+        conv_pool = _write_final(conv_pool, batch, _after(window, o))
+    elif keep_all:
+        o, _, states = recurrent(q, k, v, g, beta, s0, all_states=True)
+        h_pool = _write_each(h_pool, batch, states)
     else:
         core = recurrent if t <= RECURRENT_MAX_T else chunked
         o, s1 = core(q, k, v, g, beta, s0)
-        h_pool = _write_slot(h_pool, batch, s1)
+        h_pool = _write_final(h_pool, batch, s1)
     return o, (h_pool, conv_pool)
 
 
 def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
     """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
-    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, Hv, Dk, Dv] fp32, conv [S, C, K]).
+    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, R, Hv, Dk, Dv] fp32, conv [S, R, C, K]).
     x [N, H] flat over the segments -> ([N, H], ssm)."""
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads

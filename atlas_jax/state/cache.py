@@ -3,8 +3,10 @@
 Built once with fixed capacity and donated to every step, so updates are in place.
   kv[i]  = (k, v), each [num_pages, page_size, num_kv_heads, head_dim] in the model dtype,
            for the i-th full-attention layer.
-  ssm[i] = (h [num_slots, Hv, Dk, Dv] fp32, conv [num_slots, conv_dim, K] model dtype: the last K mixer inputs),
-           for the i-th Gated DeltaNet layer.
+  ssm[i] = (h [num_slots, R, Hv, Dk, Dv] fp32, conv [num_slots, R, conv_dim, K] model dtype: the last K
+           mixer inputs), for the i-th Gated DeltaNet layer. R state positions per slot: 1 without
+           speculative decoding; K under K-token verify, which leaves the state after each verified token
+           (rollback = read another position; layers/gdn.py states the contract).
 Which page / slot a sequence owns is host metadata (state/allocator.py, batch.StepBatch).
 """
 from __future__ import annotations
@@ -24,20 +26,24 @@ class ModelState:
     ssm: tuple    # per GDN layer: (h, conv)
 
 
-def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> ModelState:
+def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
+                 state_positions: int = 1) -> ModelState:
     kv_page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
-    h = jax.ShapeDtypeStruct((num_slots, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
+    r = state_positions
+    h = jax.ShapeDtypeStruct((num_slots, r, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                               cfg.linear_value_head_dim), jnp.float32)
-    conv = jax.ShapeDtypeStruct((num_slots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
+    conv = jax.ShapeDtypeStruct((num_slots, r, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
     return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers),
                       ssm=tuple((h, conv) for _ in cfg.gdn_layers))
 
 
-def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> ModelState:
-    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype)
+def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
+               state_positions: int = 1) -> ModelState:
+    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype, state_positions)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
-def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype) -> int:
-    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype)
+def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
+                state_positions: int = 1) -> int:
+    shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype, state_positions)
     return sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))

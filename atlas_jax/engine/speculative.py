@@ -1,0 +1,134 @@
+"""Speculative decoding: drafters ("proposers") and the acceptance bookkeeping the engine keeps.
+
+A decode step with drafts is a *verify* step (runner.verify): each row feeds its last token plus
+its drafts; the target's logits at every position decide how many drafts are accepted
+(sampler.verify), and the row emits the accepted drafts plus one token of the target's own.
+Rollback costs nothing: KV beyond the accepted tokens is simply overwritten later (the host's
+num_cached moves by 1 + accepted), and the GDN state after every verified position is kept in
+the slot's state positions, so the next step reads position `accepted` (Sequence.state_idx).
+
+Drafts are deterministic (a one-hot draft distribution), so for temperature > 0 the standard
+rejection rule reduces to: accept d with probability p(d), else draw from p without d. The
+output distribution is the target's. Rows with penalties or logprobs get no drafts.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from .sequence import Sequence
+
+METHODS = ("ngram", "mtp", "self", "scripted")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_drafts: int = 2                 # K - 1: drafts per verify row (K = 1 + num_drafts <= 8)
+    ngram_min: int = 1                  # ngram: shortest suffix matched
+    ngram_max: int = 4                  # ngram: longest suffix matched
+    propose: Callable | None = None     # scripted: propose(seq, max_drafts) -> list[int]
+
+    @classmethod
+    def parse(cls, spec) -> "SpeculativeConfig | None":
+        if spec is None or isinstance(spec, cls):
+            return spec
+        if not isinstance(spec, dict):
+            raise ValueError(f"speculative must be a dict like {{'method': 'ngram', 'num_drafts': 2}}, got {spec!r}")
+        unknown = set(spec) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown speculative option(s) {sorted(unknown)}")
+        cfg = cls(**spec)
+        if cfg.method not in METHODS:
+            raise ValueError(f"speculative method must be one of {METHODS}, got {cfg.method!r}")
+        if not isinstance(cfg.num_drafts, int) or not 1 <= cfg.num_drafts <= 7:
+            raise ValueError(f"num_drafts must be an integer in 1..7, got {cfg.num_drafts!r}")
+        if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+            raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if cfg.method == "scripted" and cfg.propose is None:
+            raise ValueError("the scripted proposer needs propose(seq, max_drafts)")
+        return cfg
+
+
+def wants_drafts(seq: Sequence) -> bool:
+    """Rows whose token needs penalties or logprobs are decoded plainly (sampler.verify applies neither)."""
+    p = seq.params
+    return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0)
+
+
+class Proposer:
+    """Drafts for a batch of decoding sequences. `propose` returns up to max_drafts[i] tokens for
+    seqs[i]; `verified` tells the proposer what the target kept (to trim its own state)."""
+
+    def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
+        raise NotImplementedError
+
+    def verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        pass
+
+    def release(self, seq: Sequence) -> None:
+        pass
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup: find the most recent earlier occurrence of the context's last n tokens
+    (n from ngram_max down to ngram_min) and propose the tokens that followed it."""
+
+    def __init__(self, ngram_min: int, ngram_max: int):
+        self.ngram_min, self.ngram_max = ngram_min, ngram_max
+
+    def propose(self, seqs, max_drafts):
+        return [self.lookup(s.prompt_ids + s.output_ids, k) for s, k in zip(seqs, max_drafts)]
+
+    def lookup(self, context: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        n_ctx = len(context)
+        for n in range(min(self.ngram_max, n_ctx - 1), self.ngram_min - 1, -1):
+            suffix = context[n_ctx - n:]
+            for start in range(n_ctx - n - 1, -1, -1):          # most recent earlier occurrence first
+                if context[start:start + n] == suffix:
+                    return context[start + n:start + n + k]
+        return []
+
+
+class ScriptedProposer(Proposer):
+    """Drafts from a function propose(seq, max_drafts) -> list[int] (tests, experiments)."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def propose(self, seqs, max_drafts):
+        return [list(self.fn(s, k))[:k] if k > 0 else [] for s, k in zip(seqs, max_drafts)]
+
+
+@dataclasses.dataclass
+class SpecStats:
+    verify_steps: int = 0        # target steps that verified drafts
+    rows: int = 0                # verify rows that carried drafts
+    drafted: int = 0             # draft tokens fed
+    accepted: int = 0            # draft tokens accepted
+    emitted: int = 0             # tokens emitted by rows with drafts (accepted + 1 each)
+    accepted_hist: dict = dataclasses.field(default_factory=dict)    # accepted count -> rows
+    decode_row_steps: int = 0    # decoding rows over all decode / verify steps, drafts or not
+    decode_tokens: int = 0       # tokens those rows emitted
+
+    def record_decode(self, rows: int, tokens: int) -> None:
+        self.decode_row_steps += rows
+        self.decode_tokens += tokens
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.rows += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.emitted += num_accepted + 1
+        self.accepted_hist[num_accepted] = self.accepted_hist.get(num_accepted, 0) + 1
+
+    def summary(self) -> dict:
+        return {"verify_steps": self.verify_steps, "rows": self.rows, "drafted": self.drafted,
+                "accepted": self.accepted,
+                "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
+                "mean_accepted_length": self.emitted / self.rows if self.rows else None,
+                "tokens_per_target_step": self.decode_tokens / self.decode_row_steps if self.decode_row_steps else None,
+                "accepted_hist": dict(sorted(self.accepted_hist.items()))}

@@ -1,0 +1,228 @@
+"""Speculative decoding: greedy output identity with every drafter and draft pattern (all right,
+all wrong, right-then-wrong, ragged counts per row), across chunked prefill and preemption;
+rollback exactness of KV and GDN h / conv state against a fresh sequence fed exactly the accepted
+tokens; stop tokens inside an accepted run; the sampled distribution against the exact target
+distribution (chi-square); no compiles after warm-up. Tiny checkpoints use init 0.2 and a slow
+GDN decay so that a wrong state changes tokens."""
+import math
+import zlib
+
+import jax
+import numpy as np
+import pytest
+
+import hf_models
+from conftest import random_prompts
+
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer
+
+ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
+              max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
+NUM_DRAFTS = 3
+LENGTHS = [5, 20, 70, 131]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+class Script:
+    """Drafts from the baseline's greedy outputs (the truth), spoilt per `mode`."""
+
+    def __init__(self, vocab):
+        self.vocab, self.truth, self.mode = vocab, {}, "right"
+
+    def __call__(self, seq, k):
+        truth = self.truth[tuple(seq.prompt_ids)]
+        right = truth[len(seq.output_ids):len(seq.output_ids) + k]
+        wrong = [(t + 1) % self.vocab for t in right]
+        if self.mode == "right":
+            return right
+        if self.mode == "wrong":
+            return wrong
+        if self.mode == "right_then_wrong":
+            return right[:1] + wrong[1:]
+        n = zlib.crc32(bytes(seq.output_ids)) % (k + 1)          # "ragged": 0..k drafts, right
+        return right[:n]
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
+def engines(request, ckpt_dir):
+    maker = hf_models.make_qwen3_next if request.param == "qwen3_next" else hf_models.make_qwen3
+    path, _ = ckpt_dir(f"{request.param}_spec", maker, vocab=256, init_std=0.2)
+    base = LLM(path, **ENGINE)
+    script = Script(256)
+    spec = LLM(path, speculative={"method": "scripted", "num_drafts": NUM_DRAFTS, "propose": script}, **ENGINE)
+    prompts = random_prompts(256, LENGTHS, seed=5)
+    for p, o in zip(prompts, base.generate(prompts, GREEDY)):
+        script.truth[tuple(p)] = o.outputs[0].token_ids
+    return request.param, base, spec, script, prompts
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _stats_delta(spec, fn):
+    before = dict(spec.engine.spec_stats.__dict__, accepted_hist=dict(spec.engine.spec_stats.accepted_hist))
+    out = fn()
+    after = spec.engine.spec_stats
+    return out, {k: getattr(after, k) - before[k] for k in ("rows", "drafted", "accepted")}
+
+
+@pytest.mark.parametrize("mode", ["right", "wrong", "right_then_wrong", "ragged"])
+def test_greedy_identity_with_scripted_drafts(engines, mode):
+    _, _, spec, script, prompts = engines
+    script.mode = mode
+    spec.engine.proposer = ScriptedProposer(script)
+    truth = [script.truth[tuple(p)] for p in prompts]
+    out, d = _stats_delta(spec, lambda: _tokens(spec.generate(prompts, GREEDY)))
+    assert out == truth
+    alone = _tokens(spec.generate(prompts[1], GREEDY))
+    assert alone == truth[1:2]
+    assert d["drafted"] > 0
+    if mode == "right":
+        assert d["accepted"] == d["drafted"]
+    elif mode == "wrong":
+        assert d["accepted"] == 0
+    elif mode == "right_then_wrong":
+        assert d["accepted"] == d["rows"]            # exactly the one right draft of each row
+    assert spec.engine.blocks.num_free == spec.num_pages and spec.engine.slots.num_free == spec.max_num_seqs
+
+
+def test_ngram_identity(engines):
+    _, base, spec, _, _ = engines
+    rng = np.random.default_rng(1)
+    pattern = [int(t) for t in rng.integers(0, 256, 6)]
+    prompts = [pattern * 5, [3, 4] + pattern * 3, random_prompts(256, [40], seed=9)[0]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    spec.engine.proposer = NgramProposer(1, 4)
+    out, d = _stats_delta(spec, lambda: _tokens(spec.generate(prompts, params)))
+    assert out == _tokens(base.generate(prompts, params))
+    assert d["drafted"] > 0
+
+
+def test_ngram_lookup():
+    ngram = NgramProposer(1, 3)
+    assert ngram.lookup([1, 2, 3, 9, 1, 2, 3], 2) == [9, 1]        # longest suffix, most recent match
+    assert ngram.lookup([5, 1, 7, 1], 3) == [7, 1]
+    assert ngram.lookup([1, 2, 3], 2) == []
+
+
+def test_stop_token_inside_accepted_run(engines):
+    """All drafts right, and the stop id sits mid-run: output ends exactly where plain decoding ends."""
+    _, base, spec, script, prompts = engines
+    script.mode = "right"
+    spec.engine.proposer = ScriptedProposer(script)
+    truth = script.truth[tuple(prompts[2])]
+    stop = truth[5]
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop])
+    ref = base.generate(prompts[2], params)[0].outputs[0]
+    out = spec.generate(prompts[2], params)[0].outputs[0]
+    assert out.token_ids == ref.token_ids == truth[:truth.index(stop) + 1]
+    assert out.finish_reason == ref.finish_reason == "stop"
+    short = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)     # max_tokens cuts a run
+    assert _tokens(spec.generate(prompts[2], short)) == [truth[:6]]
+
+
+def test_preemption_with_speculation(engines):
+    """Hold most pages so that sequences are preempted (swap) while verifying."""
+    _, _, spec, script, prompts = engines
+    script.mode = "right_then_wrong"
+    spec.engine.proposer = ScriptedProposer(script)
+    held = spec.engine.blocks.allocate(spec.num_pages - 30)
+    try:
+        out = _tokens(spec.generate(prompts, GREEDY))
+    finally:
+        spec.engine.blocks.free(held)
+    assert out == [script.truth[tuple(p)] for p in prompts]
+    assert sum(spec.engine.stats()["num_preemptions"].values()) > 0
+
+
+def _cached_state(llm, seq):
+    """(KV of the cached positions per attention layer, (h, conv) at the read position per GDN layer)."""
+    state = jax.device_get(llm.runner.state.model)
+    ps = llm.page_size
+    pos = np.arange(seq.num_cached)
+    pages = np.asarray(seq.pages)[pos // ps]
+    kv = [(k[pages, pos % ps], v[pages, pos % ps]) for k, v in state.kv]
+    ssm = [(h[seq.slot, seq.state_idx], c[seq.slot, seq.state_idx]) for h, c in state.ssm]
+    return kv, ssm
+
+
+def test_rollback_state_equals_fresh_sequence(engines):
+    """After verify steps with all / none / some drafts accepted, the KV of the cached tokens and the
+    GDN state equal those of a fresh sequence prefilled with exactly the accepted tokens."""
+    family, base, spec, script, prompts = engines
+    for mode in ("right", "wrong", "right_then_wrong"):
+        script.mode = mode
+        spec.engine.proposer = ScriptedProposer(script)
+        req = spec.engine.add_request(prompts[1], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        seq = req.seqs[0]
+        while spec.engine.spec_stats.verify_steps == 0 or len(seq.output_ids) < 9:
+            spec.engine.step()
+        kv, ssm = _cached_state(spec, seq)
+        fed = (seq.prompt_ids + seq.output_ids)[:seq.num_cached]
+        fresh = base.engine.add_request(fed, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        while fresh.seqs[0].num_cached < len(fed):
+            base.engine.step()
+        kv_ref, ssm_ref = _cached_state(base, fresh.seqs[0])
+        for (k, v), (k_ref, v_ref) in zip(kv, kv_ref):
+            np.testing.assert_allclose(k, k_ref, atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(v, v_ref, atol=2e-5, rtol=1e-4)
+        for (h, c), (h_ref, c_ref) in zip(ssm, ssm_ref):
+            np.testing.assert_allclose(h, h_ref, atol=2e-5, rtol=1e-4)
+            np.testing.assert_allclose(c, c_ref, atol=2e-5, rtol=1e-4)
+        assert (family == "qwen3") == (not ssm)
+        spec.engine.abort(req.request_id)
+        base.engine.abort(fresh.request_id)
+
+
+def test_no_compiles_after_warmup_with_speculation(engines):
+    family, _, spec, script, prompts = engines
+    if family != "qwen3":
+        pytest.skip("one family suffices (warm-up compiles every bucket)")
+    spec.engine.warmup(progress=False)
+    before = spec.num_compiles
+    script.mode = "ragged"
+    spec.engine.proposer = ScriptedProposer(script)
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, top_p=0.9, seed=1, max_tokens=8),
+              SamplingParams(temperature=0.0, max_tokens=5, logprobs=2, repetition_penalty=1.2)]
+    for i in range(3):
+        spec.generate(prompts[i:i + 3], params[:len(prompts[i:i + 3])])
+    assert spec.num_compiles == before
+
+
+def _chi2_critical(df, z=3.09):
+    """Wilson-Hilferty approximation of the chi-square quantile (z = 3.09: p = 0.001)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def test_speculative_sampling_matches_target_distribution(ckpt_dir):
+    """Tokens sampled at temperature 1 with fixed-guess drafts (x1 from the prefill, x2 accepted or drawn
+    from the residual, x3 the bonus or cut): the empirical joint distribution of (x1, x2) fits the
+    target's exact p(x1) p(x2 | x1) (chi-square, p = 0.001)."""
+    vocab = 6
+    path, _ = ckpt_dir("qwen3_tiny_vocab", hf_models.make_qwen3, vocab=vocab, init_std=0.3, seed=2)
+    prompt = [1, 4, 2]
+
+    def drafts(seq, k):      # a fixed guess per context: a wrong residual would over-weight it
+        last = (seq.prompt_ids + seq.output_ids)[-1]
+        return [(last + 1 + i) % vocab for i in range(k)]
+    spec = LLM(path, speculative={"method": "scripted", "num_drafts": 2, "propose": drafts}, **ENGINE)
+    p1 = jax.nn.softmax(spec.prompt_logits(prompt)[-1])
+    exact = np.array([np.asarray(p1[a]) * np.asarray(jax.nn.softmax(spec.prompt_logits(prompt + [a])[-1]))
+                      for a in range(vocab)]).reshape(-1)
+    n = 1200
+    outs = spec.generate([prompt] * n, [SamplingParams(temperature=1.0, seed=s, max_tokens=3, ignore_eos=True)
+                                        for s in range(n)])
+    counts = np.zeros(vocab * vocab)
+    for o in outs:
+        a, b, _ = o.outputs[0].token_ids
+        counts[a * vocab + b] += 1
+    assert spec.spec_stats()["accepted"] > 50 and spec.spec_stats()["drafted"] > spec.spec_stats()["accepted"]
+    expected = exact * n
+    big = expected >= 5
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    stat = float(np.sum((obs - exp) ** 2 / exp))
+    assert stat < _chi2_critical(len(obs) - 1), (stat, obs, exp)
