@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 
+from .engine.speculative import SpeculativeConfig
 from .kernels import KERNELS
 
 
@@ -39,15 +40,18 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=None, help="seconds; a request running longer ends "
                     "with finish_reason 'timeout'")
     ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After")
-    ap.add_argument("--speculative", default=None, help="speculative decoding (not available yet)")
+    ap.add_argument("--speculative", default=None, help="speculative decoding: METHOD[:NUM_DRAFTS] (ngram, e.g. "
+                    "'ngram:3') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.speculative:
-        raise SystemExit("--speculative is not available yet")
+    try:
+        speculative = SpeculativeConfig.from_cli(args.speculative)
+    except ValueError as e:
+        raise SystemExit(f"--speculative: {e}") from None
     import uvicorn
 
     from .engine.async_llm import AsyncLLM
@@ -58,7 +62,8 @@ def main(argv=None) -> None:
     num_pages = args.num_pages
     llm_kwargs = dict(dtype=args.dtype, kernels=args.kernels, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                       max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-                      max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode)
+                      max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
+                      speculative=speculative)
     if args.kv_cache_memory is not None and num_pages is None:
         num_pages = _pages_for_memory(args, llm_kwargs)
     llm = LLM(args.model, num_pages=num_pages, warmup=False, **llm_kwargs)

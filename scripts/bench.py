@@ -1,6 +1,7 @@
 """Decode / prefill throughput of atlas_jax on one checkpoint. Prints one JSON object.
 
     python scripts/bench.py CKPT [--batch 1,8,32] [--prompt 128] [--new 64] [--dtype auto] [--vs-hf]
+    python scripts/bench.py ... --speculative ngram [--num-drafts 2]   # + speculative decoding side by side
     python scripts/bench.py --make qwen3-next-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
 Reports tokens/s per batch size, the weight bytes one decode step must read (dense weights +
@@ -65,6 +66,9 @@ def main():
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--vs-hf", action="store_true", help="also measure HF transformers (torch CPU) side by side")
+    ap.add_argument("--speculative", default=None, help="also measure speculative decoding with this drafter "
+                    "(ngram) side by side: tokens/s, acceptance, and whether greedy outputs are identical")
+    ap.add_argument("--num-drafts", type=int, default=2)
     args = ap.parse_args()
     ckpt = args.ckpt
     if args.make:
@@ -74,8 +78,9 @@ def main():
             write_random_checkpoint(ckpt, QWEN3_NEXT_12L)
     batches = [int(b) for b in args.batch.split(",")]
     t0 = time.perf_counter()
-    llm = LLM(ckpt, dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.prompt + args.new + 16,
-              max_prefill_chunk=min(args.prompt, 512), preemption_mode="recompute", progress=False)
+    engine = dict(dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.prompt + args.new + 16,
+                  max_prefill_chunk=min(args.prompt, 512), preemption_mode="recompute", progress=False)
+    llm = LLM(ckpt, **engine)
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     step_bytes = decode_bytes(llm)
@@ -85,6 +90,8 @@ def main():
               "warmup_compiles": llm.num_warmup_compiles,
               "weight_bytes_per_decode_step": step_bytes, "memory_read_gbs": round(bandwidth, 2), "batches": {}}
     hf = _load_hf(ckpt, llm.dtype) if args.vs_hf else None
+    spec = (LLM(ckpt, speculative={"method": args.speculative, "num_drafts": args.num_drafts}, **engine)
+            if args.speculative else None)
     for b in batches:
         prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)] for _ in range(b)]
         full = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
@@ -101,6 +108,8 @@ def main():
             "decode_achieved_gbs": round(step_bytes * steps / t_decode / 1e9, 2),
             "compiles_after_warmup": llm.num_compiles - compiles,
         }
+        if spec is not None:
+            row.update(_spec_throughput(spec, llm, prompts, full, first, steps))
         if hf is not None:
             hf_prefill, hf_decode = _hf_throughput(hf, prompts, args.new)
             row.update(hf_prefill_tokens_per_s=round(hf_prefill, 1), hf_decode_tokens_per_s=round(hf_decode, 1),
@@ -115,6 +124,26 @@ def main():
             result[f"decode_b{top}_over_b1"] = round(result["batches"][top]["decode_tokens_per_s"]
                                                      / b1["decode_tokens_per_s"], 2)
     print(json.dumps(result))
+
+
+def _spec_throughput(spec, plain, prompts, full, first, steps) -> dict:
+    """Decode tokens/s with speculation, beside the plain engine's (same prompts, same run)."""
+    compiles = spec.num_compiles
+    before = spec.engine.spec_stats.summary()
+    t_prefill = min(_timed(lambda: spec.generate(prompts, first)) for _ in range(2))
+    t_total = min(_timed(lambda: spec.generate(prompts, full)) for _ in range(2))
+    t_plain = (min(_timed(lambda: plain.generate(prompts, full)) for _ in range(2))
+               - min(_timed(lambda: plain.generate(prompts, first)) for _ in range(2)))
+    same = ([o.outputs[0].token_ids for o in spec.generate(prompts, full)]
+            == [o.outputs[0].token_ids for o in plain.generate(prompts, full)])
+    stats = spec.engine.spec_stats.summary()
+    drafted, accepted = stats["drafted"] - before["drafted"], stats["accepted"] - before["accepted"]
+    rate = len(prompts) * steps / (t_total - t_prefill)
+    return {"spec_decode_tokens_per_s": round(rate, 1),
+            "spec_vs_plain_decode": round(rate / (len(prompts) * steps / t_plain), 2),
+            "spec_acceptance_rate": round(accepted / drafted, 3) if drafted else None,
+            "spec_tokens_per_target_step": round(stats["tokens_per_target_step"] or 0, 3),
+            "spec_outputs_identical": same, "spec_compiles_after_warmup": spec.num_compiles - compiles}
 
 
 def _load_hf(ckpt: str, dtype):

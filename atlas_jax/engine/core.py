@@ -21,7 +21,7 @@ from .runner import ModelRunner, RowInput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
-from .speculative import NgramProposer, ScriptedProposer, SpecStats, SpeculativeConfig, wants_drafts
+from .speculative import MtpProposer, NgramProposer, ScriptedProposer, SpecStats, SpeculativeConfig, wants_drafts
 
 
 class Request:
@@ -75,7 +75,9 @@ class EngineCore:
                                   max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
                                   max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows,
                                   kernels=kernels,
-                                  max_verify_tokens=1 + speculative.num_drafts if speculative else 1)
+                                  max_verify_tokens=1 + speculative.num_drafts if speculative else 1,
+                                  mtp_drafts=speculative.num_drafts if speculative and speculative.method == "mtp" else 0,
+                                  mtp_layers=len(params.get("mtp", {}).get("layers", ())))
         self.speculative = speculative
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
@@ -180,6 +182,7 @@ class EngineCore:
                 s.metrics.first_scheduled_time = now
         rows = [self._row(s, n) for s, n in work]
         out = self.runner.step(rows[:len(plan.decode)], rows[len(plan.decode):])
+        self._keep_drafts([s for s, _ in work], rows)
         self.num_steps += 1
         touched = {}
         for i, (seq, n) in enumerate(work):
@@ -201,10 +204,23 @@ class EngineCore:
                 self.requests.pop(rid, None)
         return list(touched.values())
 
-    def _row(self, seq: Sequence, n: int) -> RowInput:
-        return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
-                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
-                        state_idx=seq.state_idx)
+    def _row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
+        """seq's next n tokens as a row; `fed` = tokens the row will really feed (n + drafts)."""
+        end = seq.num_cached + n
+        row = RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
+                       params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
+                       state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1)
+        k = self.runner.mtp_drafts
+        if k and end == seq.num_tokens and wants_drafts(seq):
+            need = seq.num_cached + (fed or n) + k - 1          # the MTP head writes KV up to the last draft
+            row.draft_ok = self.scheduler.lookahead(seq, need) >= need
+        return row
+
+    def _keep_drafts(self, seqs: list[Sequence], rows: list[RowInput]) -> None:
+        """MTP: the drafts this step made for each row, to verify next step."""
+        drafts = self.runner.last_drafts
+        for i, (seq, row) in enumerate(zip(seqs, rows)):
+            seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and row.draft_ok else []
 
     # ---- speculative decoding ---------------------------------------------------------------
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
@@ -224,7 +240,9 @@ class EngineCore:
         for s in seqs:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        emitted = self.runner.verify([self._row(s, 1) for s in seqs], drafts)
+        rows = [self._row(s, 1, 1 + len(d)) for s, d in zip(seqs, drafts)]
+        emitted = self.runner.verify(rows, drafts)
+        self._keep_drafts(seqs, rows)
         self.num_steps += 1
         self.spec_stats.verify_steps += 1
         self.spec_stats.record_decode(len(seqs), sum(len(e) for e in emitted))
@@ -272,6 +290,10 @@ class EngineCore:
 
 
 def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
+    if spec.method == "mtp":
+        if not engine.runner.mtp_drafts or not engine.runner.state.draft_kv:
+            raise ValueError("speculative method 'mtp' needs a checkpoint with mtp.* tensors (none were loaded)")
+        return MtpProposer()
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     if spec.method == "scripted":

@@ -23,10 +23,12 @@ import numpy as np
 from ..batch import StepBatch
 from ..config import ModelConfig
 from ..kernels import XLA, Kernels
-from ..models.decoder import forward
-from ..state.cache import ModelState, init_state
-from .sampler import SamplingBatch, PenaltyState, init_penalty_state, record_fed_tokens, sample, verify
+from ..models.mtp import init_mtp_kv
+from ..state.cache import init_state
+from . import steps
+from .sampler import SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
+from .steps import EngineState
 
 _GREEDY = SamplingParams(temperature=0.0)
 
@@ -43,13 +45,8 @@ class RowInput:
     step: int = 0              # tokens this request has sampled so far
     prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
     state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class EngineState:
-    model: ModelState
-    penalties: PenaltyState
+    next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
+    draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -59,46 +56,6 @@ def bucket(n: int, cap: int | None = None) -> int:
 
 def powers_of_two(cap: int) -> list[int]:
     return [1 << i for i in range(bucket(cap).bit_length())]
-
-
-def _step(cfg, kernels, params, state: EngineState, segments, sampling, prompt_lens):
-    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    logits, _, model = forward(params, state.model, segments, cfg, kernels=kernels)
-    return sample(logits, sampling, penalties), EngineState(model, penalties)
-
-
-def _verify_step(cfg, kernels, params, state: EngineState, segments, sampling, prompt_lens, drafts):
-    """One [B, K] segment of rows feeding (last token, drafts...): the plain sample at position 0 (for
-    rows without drafts: penalties, logprobs) and the acceptance test at every position."""
-    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    (logits,), _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
-    first = sample(logits[:, 0], sampling, penalties)
-    return (first, *verify(logits, drafts, sampling)), EngineState(model, penalties)
-
-
-def _logits_step(cfg, kernels, params, state: EngineState, segments):
-    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
-    return logits, EngineState(model, state.penalties)
-
-
-def _save(params, state: EngineState, pages, slot):
-    """Copy of one sequence's device state: its KV pages, recurrent slot and penalty history."""
-    del params
-    kv = tuple((k[pages], v[pages]) for k, v in state.model.kv)
-    ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
-    return (kv, ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
-
-
-def _restore(params, state: EngineState, pages, slot, saved):
-    """Inverse of _save into (possibly other) pages and slot; pages == num_pages are dropped."""
-    del params
-    kv_s, ssm_s, in_prompt, out_count = saved
-    kv = tuple((k.at[pages].set(ks, mode="drop"), v.at[pages].set(vs, mode="drop"))
-               for (k, v), (ks, vs) in zip(state.model.kv, kv_s))
-    ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
-    pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
-                       state.penalties.out_count.at[slot].set(out_count))
-    return None, EngineState(ModelState(kv=kv, ssm=ssm), pen)
 
 
 def prefill_token_buckets(max_chunk: int) -> list[int]:
@@ -113,7 +70,7 @@ def prefill_token_buckets(max_chunk: int) -> list[int]:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
-                 kernels: Kernels = XLA, max_verify_tokens: int = 1):
+                 kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0):
         self.cfg = cfg
         self.kernels = kernels
         self.params = params
@@ -127,14 +84,17 @@ class ModelRunner:
         self.verify_sizes = list(range(2, max_verify_tokens + 1))    # K buckets: last token + K - 1 drafts
         self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
         self.verify_logprobs = None
+        self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
+        self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
         self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
-                                 init_penalty_state(num_slots, cfg.vocab_size))
+                                 init_penalty_state(num_slots, cfg.vocab_size),
+                                 init_mtp_kv(cfg, mtp_layers, num_pages, page_size, dtype) if mtp_drafts else ())
         self._jitted = {
-            "step": jax.jit(functools.partial(_step, cfg, kernels), donate_argnums=(1,)),
-            "logits": jax.jit(functools.partial(_logits_step, cfg, kernels), donate_argnums=(1,)),
-            "verify": jax.jit(functools.partial(_verify_step, cfg, kernels), donate_argnums=(1,)),
-            "save": jax.jit(_save, donate_argnums=(1,)),
-            "restore": jax.jit(_restore, donate_argnums=(1,)),
+            "step": jax.jit(functools.partial(steps.step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
+            "logits": jax.jit(functools.partial(steps.logits_step, cfg, kernels), donate_argnums=(1,)),
+            "verify": jax.jit(functools.partial(steps.verify_step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
+            "save": jax.jit(steps.save, donate_argnums=(1,)),
+            "restore": jax.jit(steps.restore, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -238,8 +198,10 @@ class ModelRunner:
         prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
                                                  np.int32))
                             for s, rs in zip(segments, (decode, prefill) if prefill else (decode,)))
-        out = self._run("step", segments, sampling, prompt_lens)
+        groups = (decode, prefill) if prefill else (decode,)
+        out, drafts = self._run("step", segments, sampling, prompt_lens, self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["mixed" if prefill else "decode"] += 1
+        self.last_drafts = np.asarray(drafts)[live] if drafts is not None else None
         result = {"tokens": np.asarray(out.tokens)[live]}
         if any(r.params.logprobs is not None for r in rows):
             result.update(logprob=np.asarray(out.logprob)[live], top_ids=np.asarray(out.top_ids)[live],
@@ -264,9 +226,10 @@ class ModelRunner:
         for i, d in enumerate(drafts):
             draft_cols[i, :len(d)] = d
         prompt_lens = (jnp.asarray(np.array([r.prompt_len for r in rows] + [0] * (b - len(rows)), np.int32)),)
-        first, target, accept = self._run("verify", (seg,), self._sampling(rows, b), prompt_lens,
-                                          jnp.asarray(draft_cols))
+        first, target, accept, new_drafts = self._run("verify", (seg,), self._sampling(rows, b), prompt_lens,
+                                                      jnp.asarray(draft_cols), self._mtp_in((seg,), (rows,), rows))
         self.step_counts["verify"] += 1
+        self.last_drafts = np.asarray(new_drafts)[:len(rows)] if new_drafts is not None else None
         first_tokens, target, accept = np.asarray(first.tokens), np.asarray(target), np.asarray(accept)
         self.verify_logprobs = None
         if any(r.params.logprobs is not None for r in rows):
@@ -282,6 +245,21 @@ class ModelRunner:
                 n += 1
             out.append([int(t) for t in d[:n]] + [int(target[i, n])])
         return out
+
+    def _mtp_in(self, segments, groups, sampling_rows):
+        """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
+        the token the step emits), and draft_ok per row. None without MTP."""
+        if not self.mtp_drafts:
+            return None
+        next_tokens = []
+        for seg, rows in zip(segments, groups):
+            nt = np.zeros(seg.tokens.shape, np.int32)
+            for i, r in enumerate(rows):
+                nt[i, :len(r.tokens)] = list(r.tokens[1:]) + [r.next_token]
+            next_tokens.append(jnp.asarray(nt))
+        ok = np.zeros((sum(s.tokens.shape[0] for s in segments),), bool)
+        ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
+        return tuple(next_tokens), jnp.asarray(ok)
 
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
@@ -338,8 +316,10 @@ class ModelRunner:
             args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
             if kind == "verify":
                 args += (i32(*shape[0]),)
+            args += ((tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp_drafts
+                     else None,)
         else:
-            saved = jax.eval_shape(lambda st: _save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
+            saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
         key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         if key not in self._executables:

@@ -176,6 +176,7 @@ class Scheduler:
         self.num_preemptions["recompute"] += 1
         self._release(seq)
         seq.num_cached = seq.state_idx = 0
+        seq.pending_drafts = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -61,6 +61,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_cached: int = 0
     state_idx: int = 0                         # recurrent-state position holding the state after num_cached
+    pending_drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts made by the last step
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     swapped_state: object = None               # host copy while SWAPPED
@@ -98,6 +99,10 @@ class Sequence:
         lo, hi = self.num_cached, self.num_cached + n
         p = len(self.prompt_ids)
         return self.prompt_ids[lo:min(hi, p)] + self.output_ids[max(lo - p, 0):max(hi - p, 0)]
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
     def append(self, token: int, eos_ids: tuple[int, ...], logprobs: dict[int, float] | None = None) -> None:
         """Record a sampled token and decide whether the request is done."""

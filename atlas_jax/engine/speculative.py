@@ -50,6 +50,29 @@ class SpeculativeConfig:
         return cfg
 
 
+    @classmethod
+    def from_cli(cls, text: str | None) -> "SpeculativeConfig | None":
+        """'ngram', 'ngram:3' or a JSON object -> a config (None for None / '')."""
+        if not text:
+            return None
+        if text.lstrip().startswith("{"):
+            import json
+            try:
+                spec = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON: {e}") from None
+        else:
+            method, _, k = text.partition(":")
+            spec = {"method": method}
+            if k:
+                if not k.isdigit():
+                    raise ValueError(f"NUM_DRAFTS must be an integer, got {k!r}")
+                spec["num_drafts"] = int(k)
+        if spec.get("method") == "scripted":
+            raise ValueError("the scripted proposer is programmatic only")
+        return cls.parse(spec)
+
+
 def wants_drafts(seq: Sequence) -> bool:
     """Rows whose token needs penalties or logprobs are decoded plainly (sampler.verify applies neither)."""
     p = seq.params
@@ -91,6 +114,14 @@ class NgramProposer(Proposer):
                 if context[start:start + n] == suffix:
                     return context[start + n:start + n + k]
         return []
+
+
+class MtpProposer(Proposer):
+    """The checkpoint's MTP head (models/mtp.py). Its drafts are made on device by the step that
+    emitted the sequence's last token (steps.py) and wait in `Sequence.pending_drafts`."""
+
+    def propose(self, seqs, max_drafts):
+        return [s.pending_drafts[:k] for s, k in zip(seqs, max_drafts)]
 
 
 class ScriptedProposer(Proposer):

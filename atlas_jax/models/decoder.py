@@ -46,10 +46,11 @@ def lm_head(params, x):
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
-            kernels: Kernels = XLA):
+            kernels: Kernels = XLA, all_hidden: bool = False):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
-    hidden: final-normed hidden states at the same positions. kernels: XLA layers or Pallas kernels."""
+    hidden: final-normed hidden states at the same positions, or at every position ([N, H] on the
+    flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
@@ -64,10 +65,16 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
             x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i, kernels)
             n_gdn += 1
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
-    if all_logits:
+    if all_logits or all_hidden:
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        return split_segments(lm_head(params, x), segments), split_segments(x, segments), new_state
-    last = [jnp.take_along_axis(x_s, jnp.maximum(s.q_len - 1, 0)[:, None, None], axis=1)[:, 0]
-            for s, x_s in zip(segments, split_segments(x, segments))]
-    x = rms_norm(jnp.concatenate(last), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        if all_logits:
+            return split_segments(lm_head(params, x), segments), (x if all_hidden else split_segments(x, segments)), new_state
+        return lm_head(params, last_positions(x, segments)), x, new_state
+    x = rms_norm(last_positions(x, segments), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
     return lm_head(params, x), x, new_state
+
+
+def last_positions(x, segments):
+    """x [N, H] on the flat token axis -> [sum B, H]: each row's entry at its last new token."""
+    return jnp.concatenate([jnp.take_along_axis(x_s, jnp.maximum(s.q_len - 1, 0)[:, None, None], axis=1)[:, 0]
+                            for s, x_s in zip(segments, split_segments(x, segments))])

@@ -54,6 +54,14 @@ class Metrics:
         Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.engine.num_pages)
         Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
             lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
+        if engine.engine.speculative is not None:
+            spec = lambda key: engine.engine.spec_stats.summary()[key] or 0.0
+            for key, doc in (("drafted", "Draft tokens verified"), ("accepted", "Draft tokens accepted"),
+                             ("verify_steps", "Target steps that verified drafts"),
+                             ("acceptance_rate", "Accepted / drafted tokens"),
+                             ("mean_accepted_length", "Tokens emitted per verified row (1 + accepted drafts)"),
+                             ("tokens_per_target_step", "Tokens per decoding row per target step")):
+                Gauge(f"atlas_spec_{key}", doc, registry=r).set_function(lambda key=key: spec(key))
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, chat_template: str | None = None,

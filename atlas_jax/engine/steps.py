@@ -1,0 +1,95 @@
+"""The device side of a step: pure functions the runner compiles per shape bucket.
+
+Each takes (params, state, ...) and returns (outputs, new state); the state is donated, so
+pools are updated in place. With an MTP drafter (`mtp_drafts` > 0) every step also catches the
+MTP head up on the positions the step made permanent and drafts the next tokens (models/mtp.py);
+`mtp_in` = (next_tokens per segment [B, T]: the token after each fed position where the host
+knows it, -1 where it is the token this step emits; draft_ok [sum B]).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from ..models import mtp
+from ..models.decoder import forward
+from ..state.cache import ModelState
+from .sampler import PenaltyState, record_fed_tokens, sample, verify
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EngineState:
+    model: ModelState
+    penalties: PenaltyState
+    draft_kv: tuple = ()       # the MTP head's (k, v) page pools per MTP layer (empty without MTP)
+
+
+def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, mtp_in):
+    """Decode rows and prefill chunks; one sampled token per row (+ MTP drafts)."""
+    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
+    logits, hidden, model = forward(params, state.model, segments, cfg, kernels=kernels, all_hidden=mtp_drafts > 0)
+    out = sample(logits, sampling, penalties)
+    drafts, draft_kv = None, state.draft_kv
+    if mtp_drafts:
+        next_tokens, draft_ok = mtp_in
+        emitted, offset, tokens = out.tokens, 0, []
+        for seg, nt in zip(segments, next_tokens):
+            b = seg.tokens.shape[0]
+            tokens.append(jnp.where(nt >= 0, nt, emitted[offset:offset + b, None]))
+            offset += b
+        drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
+                                       draft_ok, cfg, mtp_drafts, kernels)
+    return (out, drafts), EngineState(model, penalties, draft_kv)
+
+
+def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):
+    """One [B, K] segment of rows feeding (last token, drafts...): the plain sample at position 0 (for
+    rows without drafts: penalties, logprobs) and the acceptance test at every position (+ MTP
+    drafts for the next step, from the accepted position)."""
+    penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
+    (logits,), hidden, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels,
+                                       all_hidden=mtp_drafts > 0)
+    first = sample(logits[:, 0], sampling, penalties)
+    target, accept = verify(logits, drafts, sampling)
+    new_drafts, draft_kv = None, state.draft_kv
+    if mtp_drafts:
+        (next_tokens,), draft_ok = mtp_in
+        (seg,) = segments
+        accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)                         # leading accepts
+        emitted = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
+                            first.tokens)
+        col = jnp.arange(drafts.shape[1])[None, :]
+        tokens = jnp.where(col < accepted[:, None], next_tokens, emitted[:, None])
+        catch = jnp.where(seg.q_len > 0, accepted + 1, 0)
+        new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, [tokens], hidden, [catch], draft_ok, cfg,
+                                           mtp_drafts, kernels)
+    return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv)
+
+
+def logits_step(cfg, kernels, params, state: EngineState, segments):
+    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
+    return logits, dataclasses.replace(state, model=model)
+
+
+def save(params, state: EngineState, pages, slot):
+    """Copy of one sequence's device state: its KV pages (target and MTP), recurrent slot, penalty history."""
+    del params
+    kv = tuple((k[pages], v[pages]) for k, v in state.model.kv + state.draft_kv)
+    ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
+    return (kv, ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
+
+
+def restore(params, state: EngineState, pages, slot, saved):
+    """Inverse of `save` into (possibly other) pages and slot; pages == num_pages are dropped."""
+    del params
+    kv_s, ssm_s, in_prompt, out_count = saved
+    kv = tuple((k.at[pages].set(ks, mode="drop"), v.at[pages].set(vs, mode="drop"))
+               for (k, v), (ks, vs) in zip(state.model.kv + state.draft_kv, kv_s))
+    n = len(state.model.kv)
+    ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
+    pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
+                       state.penalties.out_count.at[slot].set(out_count))
+    return None, EngineState(ModelState(kv=kv[:n], ssm=ssm), pen, kv[n:])

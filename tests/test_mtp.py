@@ -1,0 +1,125 @@
+"""The Qwen3-Next MTP drafter: head parity against HF transformers' own modules, and greedy output
+identity with MTP speculation (single, batched, chunked prefill, under preemption).
+
+The tiny checkpoint's MTP layer reuses the weights of the HF model's full-attention layer 3 (same
+tensor layout), so HF's `Qwen3NextDecoderLayer` instance *is* the reference layer; fc and the
+three norms are random."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import hf_models
+from conftest import random_prompts
+
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.batch import StepBatch
+from atlas_jax.config import ModelConfig
+from atlas_jax.models import mtp
+from atlas_jax.weights import load_model_params
+
+ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
+              max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
+
+
+@pytest.fixture(scope="module")
+def mtp_ckpt(ckpt_dir, tmp_path_factory):
+    src, hf = ckpt_dir("qwen3_next_mtp_base", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+    path = tmp_path_factory.mktemp("qwen3_next_mtp")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    tensors = load_file(str(path / "model.safetensors"))
+    h = hf.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    for name, t in list(tensors.items()):
+        if name.startswith("model.layers.3."):
+            tensors["mtp.layers.0." + name[len("model.layers.3."):]] = t.clone()
+    tensors["mtp.fc.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return str(path), hf, tensors
+
+
+def _hf_mtp_logits(hf, tensors, ids, next_ids):
+    """HF modules: fc([norm_e(embed(next)) | norm_h(final hidden)]) -> layer 3 -> norm -> lm_head."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
+    cfg = hf.config
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name].weight.data = tensors[f"mtp.{name}.weight"]
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state
+        emb = hf.model.embed_tokens(torch.tensor([next_ids]))
+        x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hidden)], -1)
+        x = x @ tensors["mtp.fc.weight"].T
+        pos = torch.arange(len(ids))[None]
+        t = len(ids)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        layer = hf.model.layers[3]
+        layer.self_attn.config._attn_implementation = "eager"
+        y = layer(x, position_embeddings=Qwen3NextRotaryEmbedding(cfg)(x, pos), attention_mask=mask, position_ids=pos)
+        y = y[0] if isinstance(y, tuple) else y
+        return hf.lm_head(norms["norm"](y))[0].numpy(), hidden[0].numpy()
+
+
+def test_mtp_head_matches_hf(mtp_ckpt):
+    path, hf, tensors = mtp_ckpt
+    cfg = ModelConfig.from_pretrained(path)
+    params, n_mtp = load_model_params(path, cfg, jnp.float32)
+    assert n_mtp == 1
+    ids = random_prompts(256, [13], seed=4)[0]
+    next_ids = ids[1:] + [7]
+    ref, hidden = _hf_mtp_logits(hf, tensors, ids, next_ids)
+    page_size, t = 4, len(ids)
+    pages = -(-t // page_size)
+    kv = mtp.init_mtp_kv(cfg, 1, pages + 1, page_size, jnp.float32)
+    seg = StepBatch(tokens=jnp.asarray([next_ids]), q_len=jnp.array([t]), start=jnp.array([0]),
+                    block_table=jnp.asarray([list(range(pages))]), slot=jnp.array([0]), state_idx=jnp.array([0]))
+    out, _ = mtp.mtp_forward(params, kv, (seg,), jnp.asarray(next_ids), jnp.asarray(hidden), cfg)
+    logits = np.asarray(out @ params["lm_head"])
+    np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=2e-4)
+
+
+@pytest.fixture(scope="module")
+def mtp_engines(mtp_ckpt):
+    path, _, _ = mtp_ckpt
+    return LLM(path, load_mtp=False, **ENGINE), LLM(path, speculative={"method": "mtp", "num_drafts": 2}, **ENGINE)
+
+
+def test_mtp_greedy_identity(mtp_engines):
+    base, spec = mtp_engines
+    prompts = random_prompts(256, [5, 20, 70, 131], seed=8)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts[3], params)] == ref[3:]
+    stats = spec.spec_stats()
+    assert stats["drafted"] > 0 and stats["verify_steps"] > 0
+    held = spec.engine.blocks.allocate(spec.num_pages - 30)             # force preemption (swap) mid-run
+    try:
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    finally:
+        spec.engine.blocks.free(held)
+    assert sum(spec.engine.stats()["num_preemptions"].values()) > 0
+    assert spec.engine.blocks.num_free == spec.num_pages
+
+
+def test_mtp_drafts_equal_head_formula(mtp_engines, mtp_ckpt):
+    """The first draft after a prefill is argmax of the MTP head at the prompt's last position with
+    the emitted token, computed by HF's modules."""
+    _, spec = mtp_engines
+    _, hf, tensors = mtp_ckpt
+    prompt = random_prompts(256, [11], seed=12)[0]
+    req = spec.engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    spec.engine.step()                                         # the whole prompt: one token + drafts
+    seq = req.seqs[0]
+    first = seq.output_ids[0]
+    ref, _ = _hf_mtp_logits(hf, tensors, prompt, prompt[1:] + [first])
+    assert seq.pending_drafts[0] == int(np.argmax(ref[-1]))
+    spec.engine.abort(req.request_id)
+    jax.block_until_ready(spec.runner.state.model.kv[0][0])
