@@ -226,3 +226,16 @@ def test_speculative_sampling_matches_target_distribution(ckpt_dir):
     exp = np.append(expected[big], expected[~big].sum())
     stat = float(np.sum((obs - exp) ** 2 / exp))
     assert stat < _chi2_critical(len(obs) - 1), (stat, obs, exp)
+
+
+def test_self_speculative_identity(ckpt_dir):
+    """Drafts from the model without its GDN layers (one compiled draft step), verified by the full model."""
+    path, _ = ckpt_dir("qwen3_next_spec", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+    spec = LLM(path, speculative={"method": "self", "num_drafts": 2}, **ENGINE)
+    base = LLM(path, **ENGINE)
+    prompts = random_prompts(256, LENGTHS, seed=5)
+    assert _tokens(spec.generate(prompts, GREEDY)) == _tokens(base.generate(prompts, GREEDY))
+    assert spec.runner.step_counts["draft"] > 0 and spec.spec_stats()["drafted"] > 0
+    qwen3, _ = ckpt_dir("qwen3_spec", hf_models.make_qwen3, vocab=256, init_std=0.2)
+    with pytest.raises(ValueError, match="no recurrent layers"):
+        LLM(qwen3, speculative={"method": "self"}, **ENGINE)

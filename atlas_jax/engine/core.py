@@ -21,7 +21,8 @@ from .runner import ModelRunner, RowInput
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
-from .speculative import MtpProposer, NgramProposer, ScriptedProposer, SpecStats, SpeculativeConfig, wants_drafts
+from .speculative import (MtpProposer, NgramProposer, ScriptedProposer, SelfProposer, SpecStats, SpeculativeConfig,
+                          wants_drafts)
 
 
 class Request:
@@ -77,7 +78,8 @@ class EngineCore:
                                   kernels=kernels,
                                   max_verify_tokens=1 + speculative.num_drafts if speculative else 1,
                                   mtp_drafts=speculative.num_drafts if speculative and speculative.method == "mtp" else 0,
-                                  mtp_layers=len(params.get("mtp", {}).get("layers", ())))
+                                  mtp_layers=len(params.get("mtp", {}).get("layers", ())),
+                                  self_drafts=bool(speculative) and speculative.method == "self")
         self.speculative = speculative
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
@@ -180,7 +182,7 @@ class EngineCore:
         for s, _ in work:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        rows = [self._row(s, n) for s, n in work]
+        rows = [self.row(s, n) for s, n in work]
         out = self.runner.step(rows[:len(plan.decode)], rows[len(plan.decode):])
         self._keep_drafts([s for s, _ in work], rows)
         self.num_steps += 1
@@ -204,7 +206,7 @@ class EngineCore:
                 self.requests.pop(rid, None)
         return list(touched.values())
 
-    def _row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
+    def row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
         """seq's next n tokens as a row; `fed` = tokens the row will really feed (n + drafts)."""
         end = seq.num_cached + n
         row = RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
@@ -240,7 +242,7 @@ class EngineCore:
         for s in seqs:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        rows = [self._row(s, 1, 1 + len(d)) for s, d in zip(seqs, drafts)]
+        rows = [self.row(s, 1, 1 + len(d)) for s, d in zip(seqs, drafts)]
         emitted = self.runner.verify(rows, drafts)
         self._keep_drafts(seqs, rows)
         self.num_steps += 1
@@ -296,6 +298,11 @@ def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
         return MtpProposer()
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method == "self":
+        if not any(t == "linear_attention" for t in engine.cfg.layer_types):
+            raise ValueError("speculative method 'self' drafts with the attention layers only; this model has "
+                             "no recurrent layers to skip")
+        return SelfProposer(engine)
     if spec.method == "scripted":
         return ScriptedProposer(spec.propose)
     raise ValueError(f"speculative method {spec.method!r} is not available yet")

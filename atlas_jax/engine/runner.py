@@ -70,7 +70,8 @@ def prefill_token_buckets(max_chunk: int) -> list[int]:
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
-                 kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0):
+                 kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
+                 self_drafts: bool = False):
         self.cfg = cfg
         self.kernels = kernels
         self.params = params
@@ -85,6 +86,7 @@ class ModelRunner:
         self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
         self.verify_logprobs = None
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
+        self.self_drafts = self_drafts                               # a compiled self-speculative draft step
         self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
         self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
                                  init_penalty_state(num_slots, cfg.vocab_size),
@@ -93,12 +95,14 @@ class ModelRunner:
             "step": jax.jit(functools.partial(steps.step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
             "logits": jax.jit(functools.partial(steps.logits_step, cfg, kernels), donate_argnums=(1,)),
             "verify": jax.jit(functools.partial(steps.verify_step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
+            "draft": jax.jit(functools.partial(steps.self_draft_step, cfg, kernels, max_verify_tokens - 1),
+                             donate_argnums=(1,)),
             "save": jax.jit(steps.save, donate_argnums=(1,)),
             "restore": jax.jit(steps.restore, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
-        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0}    # steps run, by kind
+        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0, "draft": 0}    # steps run, by kind
 
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
@@ -246,6 +250,15 @@ class ModelRunner:
             out.append([int(t) for t in d[:n]] + [int(target[i, n])])
         return out
 
+    def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
+        """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""
+        b = bucket(len(rows))
+        caps_col = np.zeros((b,), np.int32)
+        caps_col[:len(caps)] = caps
+        drafts = np.asarray(self._run("draft", self._segment(rows, b, 1), jnp.asarray(caps_col)))
+        self.step_counts["draft"] += 1
+        return [[int(t) for t in drafts[i, :c]] for i, c in enumerate(caps)]
+
     def _mtp_in(self, segments, groups, sampling_rows):
         """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
         the token the step emits), and draft_ok per row. None without MTP."""
@@ -297,6 +310,8 @@ class ModelRunner:
         from tqdm import tqdm
         before = self.num_compiles
         jobs = [("step", s) for s in self.step_shapes()] + [("verify", s) for s in self.verify_shapes()]
+        if self.self_drafts:
+            jobs += [("draft", b) for b in self.decode_buckets]
         if swap:
             jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
         for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
@@ -305,7 +320,11 @@ class ModelRunner:
 
     def _compile_abstract(self, kind, shape) -> None:
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-        if kind in ("step", "verify"):
+        if kind == "draft":
+            seg = StepBatch(i32(shape, 1), i32(shape), i32(shape), i32(shape, self.max_pages_per_seq), i32(shape),
+                            i32(shape))
+            args = (seg, i32(shape))
+        elif kind in ("step", "verify"):
             shape = (shape,) if kind == "verify" else shape
             segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
                          for b, t in shape)

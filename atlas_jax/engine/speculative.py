@@ -124,6 +124,19 @@ class MtpProposer(Proposer):
         return [s.pending_drafts[:k] for s, k in zip(seqs, max_drafts)]
 
 
+class SelfProposer(Proposer):
+    """Self-speculative: the target model without its recurrent layers drafts greedily (one
+    compiled draft step for the whole batch; engine/steps.self_draft_step)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def propose(self, seqs, max_drafts):
+        if not any(max_drafts):
+            return [[] for _ in seqs]
+        return self.engine.runner.self_draft([self.engine.row(s, 1) for s in seqs], max_drafts)
+
+
 class ScriptedProposer(Proposer):
     """Drafts from a function propose(seq, max_drafts) -> list[int] (tests, experiments)."""
 

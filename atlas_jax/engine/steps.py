@@ -69,6 +69,21 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
     return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv)
 
 
+def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
+    """Self-speculative drafts: the model without its recurrent layers, fed the row's last token and
+    then its own greedy drafts, num_drafts times. It writes attention KV at positions start ..
+    start + cap - 1 (the verify step rewrites them with the full model's); GDN state is untouched.
+    segment [B, 1]; caps [B] drafts wanted per row. Returns drafts [B, num_drafts]."""
+    model, tok, drafts = state.model, segment.tokens[:, 0], []
+    for j in range(num_drafts):
+        seg = dataclasses.replace(segment, tokens=tok[:, None], start=segment.start + j,
+                                  q_len=jnp.where((segment.q_len > 0) & (j < caps), 1, 0))
+        logits, _, model = forward(params, model, (seg,), cfg, kernels=kernels, skip_recurrent=True)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        drafts.append(tok)
+    return jnp.stack(drafts, axis=1), dataclasses.replace(state, model=model)
+
+
 def logits_step(cfg, kernels, params, state: EngineState, segments):
     logits, _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
     return logits, dataclasses.replace(state, model=model)

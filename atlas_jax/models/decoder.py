@@ -23,15 +23,17 @@ from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
 
 
-def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA):
-    """One pre-norm residual block. Returns (x, layer_state)."""
+def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA,
+                  skip_mixer: bool = False):
+    """One pre-norm residual block (skip_mixer: the FFN half only). Returns (x, layer_state)."""
     with jax.named_scope(f"layer_{i}"):
-        h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        if cfg.layer_types[i] == FULL_ATTENTION:
-            h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels)
-        else:
-            h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels)
-        x = x + h
+        if not skip_mixer:
+            h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+            if cfg.layer_types[i] == FULL_ATTENTION:
+                h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels)
+            else:
+                h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels)
+            x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.moe_layers[i]:
             h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
@@ -46,11 +48,12 @@ def lm_head(params, x):
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
-            kernels: Kernels = XLA, all_hidden: bool = False):
+            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
     hidden: final-normed hidden states at the same positions, or at every position ([N, H] on the
-    flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels."""
+    flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels. skip_recurrent: the GDN
+    mixers are skipped (their state untouched): the self-speculative draft model."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
@@ -62,7 +65,7 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
             x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i, kernels)
             n_attn += 1
         else:
-            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i, kernels)
+            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i, kernels, skip_recurrent)
             n_gdn += 1
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
     if all_logits or all_hidden:
