@@ -30,3 +30,21 @@ def test_pallas_tokens_equal_xla(ckpt_dir, family):
     assert pallas.runner.step_counts["mixed"] > 0
     alone = [pallas.generate(p, params)[0].outputs[0].token_ids for p in prompts[:2]]
     assert alone == batched[:2]
+
+
+def test_pallas_speculative_verify_equals_xla(ckpt_dir):
+    """The GDN kernels with R = 4 state positions: verify writes per-token states, the next step reads
+    the accepted one (drafts: first right, the rest wrong)."""
+    path, _ = ckpt_dir("qwen3_next_pallas", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+    prompts = random_prompts(256, LENGTHS[:2], seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in LLM(path, kernels="xla", **ENGINE).generate(prompts, params)]
+    truth = {tuple(p): r for p, r in zip(prompts, ref)}
+
+    def half_right(seq, k):
+        right = truth[tuple(seq.prompt_ids)][len(seq.output_ids):len(seq.output_ids) + k]
+        return right[:1] + [(t + 1) % 256 for t in right[1:]]
+    spec = LLM(path, kernels="pallas", speculative={"method": "scripted", "num_drafts": 3, "propose": half_right},
+               **ENGINE)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
+    assert 0 < spec.spec_stats()["accepted"] < spec.spec_stats()["drafted"]
