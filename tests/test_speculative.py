@@ -239,3 +239,21 @@ def test_self_speculative_identity(ckpt_dir):
     qwen3, _ = ckpt_dir("qwen3_spec", hf_models.make_qwen3, vocab=256, init_std=0.2)
     with pytest.raises(ValueError, match="no recurrent layers"):
         LLM(qwen3, speculative={"method": "self"}, **ENGINE)
+
+
+def test_every_k_up_to_8(engines):
+    """num_drafts 7, rows drafting 1 .. 7 right tokens: verify steps of every K in 2..8 (one compiled
+    step per (batch, K)), output identical."""
+    family, base, _, script, prompts = engines
+    if family != "qwen3_next":
+        pytest.skip("the hybrid model is the one with state to roll back")
+    count = {"n": 1}
+    spec = LLM(base.model_path, speculative={"method": "scripted", "num_drafts": 7,
+                                             "propose": lambda seq, k: script.truth[tuple(seq.prompt_ids)][
+                                                 len(seq.output_ids):len(seq.output_ids) + min(k, count["n"])]},
+               **ENGINE)
+    for n in range(1, 8):
+        count["n"] = n
+        assert _tokens(spec.generate(prompts[:2], GREEDY)) == [script.truth[tuple(p)] for p in prompts[:2]]
+    ks = {key[1][0][1] for key in spec.runner._executables if key[0] == "verify"}
+    assert ks == set(range(2, 9)), ks
