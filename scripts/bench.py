@@ -67,7 +67,9 @@ def main():
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--vs-hf", action="store_true", help="also measure HF transformers (torch CPU) side by side")
     ap.add_argument("--speculative", default=None, help="also measure speculative decoding with this drafter "
-                    "(ngram) side by side: tokens/s, acceptance, and whether greedy outputs are identical")
+                    "(ngram, self, mtp; or oracle: drafts copied from the plain run's greedy output, every draft "
+                    "accepted, the ceiling of the verify machinery) side by side: tokens/s, acceptance, and "
+                    "whether greedy outputs are identical")
     ap.add_argument("--num-drafts", type=int, default=2)
     args = ap.parse_args()
     ckpt = args.ckpt
@@ -90,8 +92,13 @@ def main():
               "warmup_compiles": llm.num_warmup_compiles,
               "weight_bytes_per_decode_step": step_bytes, "memory_read_gbs": round(bandwidth, 2), "batches": {}}
     hf = _load_hf(ckpt, llm.dtype) if args.vs_hf else None
-    spec = (LLM(ckpt, speculative={"method": args.speculative, "num_drafts": args.num_drafts}, **engine)
-            if args.speculative else None)
+    truth = {}                                   # oracle drafts: prompt -> the plain run's greedy output
+
+    def oracle(seq, k):
+        out = truth[tuple(seq.prompt_ids)]
+        return out[len(seq.output_ids):len(seq.output_ids) + k]
+    method = {"method": "scripted", "propose": oracle} if args.speculative == "oracle" else {"method": args.speculative}
+    spec = LLM(ckpt, speculative={**method, "num_drafts": args.num_drafts}, **engine) if args.speculative else None
     for b in batches:
         prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)] for _ in range(b)]
         full = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
@@ -109,6 +116,7 @@ def main():
             "compiles_after_warmup": llm.num_compiles - compiles,
         }
         if spec is not None:
+            truth.update({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, full))})
             row.update(_spec_throughput(spec, llm, prompts, full, first, steps))
         if hf is not None:
             hf_prefill, hf_decode = _hf_throughput(hf, prompts, args.new)

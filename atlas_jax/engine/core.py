@@ -215,7 +215,7 @@ class EngineCore:
         k = self.runner.mtp_drafts
         if k and end == seq.num_tokens and wants_drafts(seq):
             need = seq.num_cached + (fed or n) + k - 1          # the MTP head writes KV up to the last draft
-            row.draft_ok = self.scheduler.lookahead(seq, need) >= need
+            row.draft_ok = need <= self.max_model_len and self.scheduler.lookahead(seq, need) >= need
         return row
 
     def _keep_drafts(self, seqs: list[Sequence], rows: list[RowInput]) -> None:
