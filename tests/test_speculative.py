@@ -257,3 +257,16 @@ def test_every_k_up_to_8(engines):
         assert _tokens(spec.generate(prompts[:2], GREEDY)) == [script.truth[tuple(p)] for p in prompts[:2]]
     ks = {key[1][0][1] for key in spec.runner._executables if key[0] == "verify"}
     assert ks == set(range(2, 9)), ks
+
+
+def test_speculative_config_parsing():
+    from atlas_jax.engine.speculative import SpeculativeConfig
+    assert SpeculativeConfig.from_cli("ngram:3") == SpeculativeConfig(method="ngram", num_drafts=3)
+    assert SpeculativeConfig.from_cli('{"method": "mtp", "num_drafts": 2}').method == "mtp"
+    assert SpeculativeConfig.from_cli("") is None
+    for bad, msg in [("bogus", "method must be one of"), ("ngram:x", "integer"), ("ngram:9", "1..7"),
+                     ("{bad json", "JSON"), ("scripted", "programmatic")]:
+        with pytest.raises(ValueError, match=msg):
+            SpeculativeConfig.from_cli(bad)
+    with pytest.raises(ValueError, match="unknown speculative option"):
+        SpeculativeConfig.parse({"method": "ngram", "k": 2})
