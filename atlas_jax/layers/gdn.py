@@ -4,7 +4,8 @@ Recurrence per value head, state S [Dk, Dv] fp32, per token t:
     S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + k_t delta^T;  o_t = S^T q_t
 with q, k l2-normalised and q scaled by Dk^-0.5. Decode-sized chunks run it token by token
 (`recurrent`); longer chunks use the chunked WY form (`chunked`, chunk 64). A token with
-g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert.
+g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert. With Pallas kernels
+(`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under the same state contract.
 """
 import jax
 import jax.numpy as jnp
