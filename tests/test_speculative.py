@@ -270,3 +270,26 @@ def test_speculative_config_parsing():
             SpeculativeConfig.from_cli(bad)
     with pytest.raises(ValueError, match="unknown speculative option"):
         SpeculativeConfig.parse({"method": "ngram", "k": 2})
+
+
+def test_streamed_deltas_with_speculation(engines):
+    """Several tokens per step: AsyncLLM's deltas still add up to the offline result, stop strings hold."""
+    import asyncio
+
+    from atlas_jax.engine.async_llm import AsyncLLM
+    family, _, spec, script, prompts = engines
+    if family != "qwen3":
+        pytest.skip("one family suffices")
+    script.mode = "right"
+    spec.engine.proposer = ScriptedProposer(script)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, output_kind="delta")
+    allm = AsyncLLM.from_llm(spec, warmup=False)
+    try:
+        async def go():
+            return [o async for o in allm.generate(prompts[1], params)]
+        chunks = asyncio.run(go())
+    finally:
+        allm.shutdown()
+    assert sum((c.outputs[0].token_ids for c in chunks), []) == script.truth[tuple(prompts[1])]
+    assert any(len(c.outputs[0].token_ids) > 1 for c in chunks)        # a verify step emitted several
+    assert chunks[-1].finished
