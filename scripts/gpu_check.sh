@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of the Pallas kernels (issue 5), for a machine with a CUDA GPU and JAX on it:
-#   1. the kernel parity tests, compiled for the GPU (ATLAS_JAX_PALLAS_COMPILED=1, not interpreted);
+#   1. the kernel parity tests, compiled for the GPU (ATLAS_JAX_PALLAS_COMPILED=1, not interpreted), and
+#      the whole model through the compiled kernels vs the XLA path (tests/test_pallas_model.py, fp32 at
+#      HIGHEST matmul precision so TF32 does not flip greedy tokens);
 #   2. scripts/bench_kernels.py: achieved bandwidth / throughput of each kernel next to the XLA
 #      path and the device's copy bandwidth, as one JSON object (the last line of output).
 # Installs what is missing: from wheels carried in .whl/ when there, else from the package index.
@@ -29,8 +31,9 @@ fi
 $PY -c "import jax; print('jax', jax.__version__, jax.devices())" || exit 1
 
 echo "== compiled kernel parity tests"
-ATLAS_JAX_PALLAS_COMPILED=$compiled timeout 300 $PY -m pytest -q --maxfail=10 -p no:cacheprovider --hypothesis-seed=0 \
-  tests/test_pallas_attention.py tests/test_pallas_gdn.py 2>&1 | tail -40
+ATLAS_JAX_PALLAS_COMPILED=$compiled JAX_DEFAULT_MATMUL_PRECISION=highest timeout 300 \
+  $PY -m pytest -q --maxfail=10 -p no:cacheprovider --hypothesis-seed=0 \
+  tests/test_pallas_attention.py tests/test_pallas_gdn.py tests/test_pallas_model.py 2>&1 | tail -40
 tests_rc=${PIPESTATUS[0]}
 
 echo "== microbenchmarks"
