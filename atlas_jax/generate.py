@@ -5,6 +5,7 @@ import argparse
 import time
 
 from . import LLM, SamplingParams
+from .engine.speculative import SpeculativeConfig
 from .kernels import KERNELS
 
 
@@ -19,9 +20,15 @@ def main(argv=None) -> None:
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--kernels", default="auto", choices=KERNELS)
+    ap.add_argument("--speculative", default=None, help="METHOD[:NUM_DRAFTS] (mtp, self, ngram) or a JSON object")
     args = ap.parse_args(argv)
     prompts = args.prompt or ["def add(a, b):"]
-    llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels, warmup=False)   # one-shot: compile what is used
+    try:
+        speculative = SpeculativeConfig.from_cli(args.speculative)
+    except ValueError as e:
+        raise SystemExit(f"--speculative: {e}") from None
+    llm = LLM(args.model, dtype=args.dtype, kernels=args.kernels, warmup=False,   # one-shot: compile what is used
+              speculative=speculative)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                             top_p=args.top_p, seed=args.seed)
     t0 = time.perf_counter()
@@ -32,6 +39,8 @@ def main(argv=None) -> None:
         print(f"--- prompt: {out.prompt!r}\n{out.prompt}{c.text}\n--- {len(c.token_ids)} tokens, finish_reason={c.finish_reason}")
     print(f"--- {sum(len(o.outputs[0].token_ids) for o in outs)} tokens in {dt:.2f}s (incl. compilation; "
           f"{llm.num_compiles} compiled steps)")
+    if speculative:
+        print(f"--- speculative: {llm.spec_stats()}")
 
 
 if __name__ == "__main__":

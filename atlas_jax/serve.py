@@ -40,8 +40,8 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=None, help="seconds; a request running longer ends "
                     "with finish_reason 'timeout'")
     ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After")
-    ap.add_argument("--speculative", default=None, help="speculative decoding: METHOD[:NUM_DRAFTS] (ngram, e.g. "
-                    "'ngram:3') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
+    ap.add_argument("--speculative", default=None, help="speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, "
+                    "ngram; e.g. 'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
