@@ -74,8 +74,10 @@ def test_greedy_identity_with_scripted_drafts(engines, mode):
     script.mode = mode
     spec.engine.proposer = ScriptedProposer(script)
     truth = [script.truth[tuple(p)] for p in prompts]
+    mixed = spec.runner.step_counts["verify_mixed"]
     out, d = _stats_delta(spec, lambda: _tokens(spec.generate(prompts, GREEDY)))
     assert out == truth
+    assert spec.runner.step_counts["verify_mixed"] > mixed          # drafts verified beside prefill chunks
     alone = _tokens(spec.generate(prompts[1], GREEDY))
     assert alone == truth[1:2]
     assert d["drafted"] > 0

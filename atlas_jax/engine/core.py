@@ -174,10 +174,10 @@ class EngineCore:
                 raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
             return []
         now = time.monotonic()
-        if self.proposer is not None and plan.decode and not plan.prefill:
+        if self.proposer is not None and plan.decode:
             drafts = self._drafts(plan.decode)
             if any(drafts):
-                return self._verify_step(plan.decode, drafts, now)
+                return self._verify_step(plan.decode, drafts, plan.prefill, now)
         work = [(s, 1) for s in plan.decode] + plan.prefill
         for s, _ in work:
             if s.metrics.first_scheduled_time is None:
@@ -188,17 +188,21 @@ class EngineCore:
         self.num_steps += 1
         touched = {}
         for i, (seq, n) in enumerate(work):
-            seq.num_cached += n
-            seq.state_idx = min(n, self.runner.state_positions) - 1
-            if seq.num_uncached:
-                continue                                  # a prompt chunk that did not reach the end
-            seq.append(int(out["tokens"][i]), self.cfg.eos_token_ids, self._logprobs(seq, out, i))
-            touched[seq.request.request_id] = seq.request
-            if seq.finished:
-                self.scheduler.remove(seq)
+            self._advance(seq, n, out, i, touched)
         if plan.decode and self.proposer is not None:
             self.spec_stats.record_decode(len(plan.decode), len(plan.decode))
         return self._finish_step(touched)
+
+    def _advance(self, seq: Sequence, n: int, out: dict, i: int, touched: dict) -> None:
+        """After a plain row of n tokens: cache progress, and the sampled token when the row reached the end."""
+        seq.num_cached += n
+        seq.state_idx = min(n, self.runner.state_positions) - 1
+        if seq.num_uncached:
+            return                                        # a prompt chunk that did not reach the end
+        seq.append(int(out["tokens"][i]), self.cfg.eos_token_ids, self._logprobs(seq, out, i))
+        touched[seq.request.request_id] = seq.request
+        if seq.finished:
+            self.scheduler.remove(seq)
 
     def _finish_step(self, touched: dict) -> list[Request]:
         for rid, req in touched.items():
@@ -238,18 +242,21 @@ class EngineCore:
         drafts = self.proposer.propose(seqs, caps)
         return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
 
-    def _verify_step(self, seqs: list[Sequence], drafts: list[list[int]], now: float) -> list[Request]:
-        for s in seqs:
+    def _verify_step(self, seqs: list[Sequence], drafts: list[list[int]], prefill: list[tuple[Sequence, int]],
+                     now: float) -> list[Request]:
+        for s in seqs + [s for s, _ in prefill]:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
         rows = [self.row(s, 1, 1 + len(d)) for s, d in zip(seqs, drafts)]
-        emitted = self.runner.verify(rows, drafts)
-        self._keep_drafts(seqs, rows)
+        prefill_rows = [self.row(s, n) for s, n in prefill]
+        emitted, out = self.runner.verify(rows, drafts, prefill_rows)
+        self._keep_drafts(seqs + [s for s, _ in prefill], rows + prefill_rows)
         self.num_steps += 1
         self.spec_stats.verify_steps += 1
         self.spec_stats.record_decode(len(seqs), sum(len(e) for e in emitted))
-        lp = self.runner.verify_logprobs
         touched = {}
+        for j, (seq, n) in enumerate(prefill):
+            self._advance(seq, n, out, len(seqs) + j, touched)
         for i, (seq, d, toks) in enumerate(zip(seqs, drafts, emitted)):
             accepted = len(toks) - 1
             if d:
@@ -258,7 +265,7 @@ class EngineCore:
             seq.state_idx = accepted                    # ... and their recurrent state is at this position
             self.proposer.verified(seq, len(d), accepted)
             for tok in toks:
-                seq.append(tok, self.cfg.eos_token_ids, self._logprobs(seq, lp, i) if lp and not d else None)
+                seq.append(tok, self.cfg.eos_token_ids, None if d else self._logprobs(seq, out, i))
                 if seq.finished:
                     break
             touched[seq.request.request_id] = seq.request

@@ -84,7 +84,6 @@ class ModelRunner:
         self.prefill_token_buckets = prefill_token_buckets(max_prefill_chunk)
         self.verify_sizes = list(range(2, max_verify_tokens + 1))    # K buckets: last token + K - 1 drafts
         self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
-        self.verify_logprobs = None
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
         self.self_drafts = self_drafts                               # a compiled self-speculative draft step
         self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
@@ -102,7 +101,7 @@ class ModelRunner:
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
-        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0, "draft": 0}    # steps run, by kind
+        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
@@ -112,9 +111,13 @@ class ModelRunner:
         shapes += [((bd, 1), (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
         return shapes
 
-    def verify_shapes(self) -> list[tuple[int, int]]:
-        """Every [B, K] verify segment `verify` can run."""
-        return [(b, k) for k in self.verify_sizes for b in self.decode_buckets]
+    def verify_shapes(self) -> list[tuple[tuple[int, int], ...]]:
+        """Every segment-shape tuple `verify` can run: [B, K] alone, and [B_max, K_max] + each prefill shape."""
+        if not self.verify_sizes:
+            return []
+        shapes = [((b, k),) for k in self.verify_sizes for b in self.decode_buckets]
+        top = (self.decode_buckets[-1], self.verify_sizes[-1])
+        return shapes + [(top, (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
 
     def swap_buckets(self) -> list[int]:
         return powers_of_two(self.max_pages_per_seq)
@@ -206,49 +209,58 @@ class ModelRunner:
         out, drafts = self._run("step", segments, sampling, prompt_lens, self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["mixed" if prefill else "decode"] += 1
         self.last_drafts = np.asarray(drafts)[live] if drafts is not None else None
-        result = {"tokens": np.asarray(out.tokens)[live]}
-        if any(r.params.logprobs is not None for r in rows):
-            result.update(logprob=np.asarray(out.logprob)[live], top_ids=np.asarray(out.top_ids)[live],
-                          top_logprobs=np.asarray(out.top_logprobs)[live])
-        return result
+        return self._outputs(out, live, rows)
 
-    def verify(self, rows: list[RowInput], drafts: list[list[int]]) -> list[list[int]]:
-        """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none; the
-        step is compiled per (batch bucket, K = 1 + the most drafts)). Returns the tokens each row
-        emits: its accepted drafts and then the target's own token (1 + accepted tokens). Rows with
-        no drafts get exactly what `step` would give them, penalties and logprobs included
-        (`verify_logprobs` holds the latter until the next step)."""
+    def verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = ()):
+        """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none),
+        optionally beside prefill rows (a mixed step). Compiled per (batch bucket, K = 1 + the most
+        drafts); a mixed step always uses the largest batch bucket and K. Returns (runs, out): runs[i]
+        = the tokens decode row i emits (its accepted drafts, then the target's own token); out =
+        `step`'s dict over the decode rows then the prefill rows (the plain sample: a decode row
+        without drafts gets exactly what `step` would give it, penalties and logprobs included)."""
         if len(rows) > self.decode_buckets[-1]:
             raise ValueError(f"{len(rows)} verify rows; the largest bucket is {self.decode_buckets[-1]}")
         k = 1 + max(len(d) for d in drafts)
         if k not in self.verify_sizes:
             raise ValueError(f"{k - 1} drafts in a row; this engine verifies up to {len(self.verify_sizes)}")
-        b = bucket(len(rows))
+        if prefill:
+            b, k = self.decode_buckets[-1], self.verify_sizes[-1]
+        else:
+            b = bucket(len(rows))
         rows = [dataclasses.replace(r, tokens=list(r.tokens) + list(d)) for r, d in zip(rows, drafts)]
-        seg = self._segment(rows, b, k)
+        segments = (self._segment(rows, b, k),)
+        if prefill:
+            segments += (self._segment(prefill, *self._prefill_shape(prefill)),)
         draft_cols = np.full((b, k), -1, np.int32)
         for i, d in enumerate(drafts):
             draft_cols[i, :len(d)] = d
-        prompt_lens = (jnp.asarray(np.array([r.prompt_len for r in rows] + [0] * (b - len(rows)), np.int32)),)
-        first, target, accept, new_drafts = self._run("verify", (seg,), self._sampling(rows, b), prompt_lens,
-                                                      jnp.asarray(draft_cols), self._mtp_in((seg,), (rows,), rows))
-        self.step_counts["verify"] += 1
-        self.last_drafts = np.asarray(new_drafts)[:len(rows)] if new_drafts is not None else None
-        first_tokens, target, accept = np.asarray(first.tokens), np.asarray(target), np.asarray(accept)
-        self.verify_logprobs = None
-        if any(r.params.logprobs is not None for r in rows):
-            self.verify_logprobs = dict(logprob=np.asarray(first.logprob), top_ids=np.asarray(first.top_ids),
-                                        top_logprobs=np.asarray(first.top_logprobs), tokens=first_tokens)
-        out = []
+        sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
+        groups = (rows, prefill) if prefill else (rows,)
+        prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
+                                                 np.int32)) for s, rs in zip(segments, groups))
+        first, target, accept, new_drafts = self._run(
+            "verify", segments, self._sampling(sampling_rows, sum(s.tokens.shape[0] for s in segments)), prompt_lens,
+            jnp.asarray(draft_cols), self._mtp_in(segments, groups, sampling_rows))
+        self.step_counts["verify_mixed" if prefill else "verify"] += 1
+        live = [i for i, r in enumerate(sampling_rows) if r is not None]
+        self.last_drafts = np.asarray(new_drafts)[live] if new_drafts is not None else None
+        out = self._outputs(first, live, list(rows) + list(prefill))
+        target, accept = np.asarray(target), np.asarray(accept)
+        runs = []
         for i, d in enumerate(drafts):
-            if not d:
-                out.append([int(first_tokens[i])])
-                continue
             n = 0
             while n < len(d) and accept[i, n]:
                 n += 1
-            out.append([int(t) for t in d[:n]] + [int(target[i, n])])
-        return out
+            runs.append([int(t) for t in d[:n]] + [int(target[i, n])] if d else [int(out["tokens"][i])])
+        return runs, out
+
+    def _outputs(self, sampled, live, rows) -> dict[str, np.ndarray]:
+        """Host arrays of the live rows: tokens, and (when some row asked) logprob, top_ids, top_logprobs."""
+        result = {"tokens": np.asarray(sampled.tokens)[live]}
+        if any(r.params.logprobs is not None for r in rows):
+            result.update(logprob=np.asarray(sampled.logprob)[live], top_ids=np.asarray(sampled.top_ids)[live],
+                          top_logprobs=np.asarray(sampled.top_logprobs)[live])
+        return result
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
         """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""
@@ -325,7 +337,6 @@ class ModelRunner:
                             i32(shape))
             args = (seg, i32(shape))
         elif kind in ("step", "verify"):
-            shape = (shape,) if kind == "verify" else shape
             segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
                          for b, t in shape)
             b = sum(bb for bb, _ in shape)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models import mtp
-from ..models.decoder import forward
+from ..models.decoder import forward, last_positions, lm_head
 from ..state.cache import ModelState
 from .sampler import PenaltyState, record_fed_tokens, sample, verify
 
@@ -46,25 +46,35 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
 
 
 def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):
-    """One [B, K] segment of rows feeding (last token, drafts...): the plain sample at position 0 (for
-    rows without drafts: penalties, logprobs) and the acceptance test at every position (+ MTP
-    drafts for the next step, from the accepted position)."""
+    """A [B, K] segment of rows feeding (last token, drafts...), optionally followed by a prefill
+    segment [Bp, Tp] (a mixed step). The plain sample at each verify row's position 0 (for rows
+    without drafts: penalties, logprobs) and at each prefill row's last token (sampling covers the
+    B verify rows then the prefill rows), the acceptance test at every verify position, and MTP
+    drafts for the next step (from each verify row's accepted position)."""
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    (logits,), hidden, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels,
-                                       all_hidden=mtp_drafts > 0)
-    first = sample(logits[:, 0], sampling, penalties)
-    target, accept = verify(logits, drafts, sampling)
+    _, hidden, model = forward(params, state.model, segments, cfg, kernels=kernels, all_hidden=True,
+                               logits=False)
+    seg = segments[0]
+    b, k = seg.tokens.shape
+    logits = lm_head(params, hidden[:b * k]).reshape(b, k, -1)
+    firsts = [logits[:, 0]]
+    if len(segments) > 1:
+        firsts.append(lm_head(params, last_positions(hidden[b * k:], segments[1:])))
+    first = sample(jnp.concatenate(firsts), sampling, penalties)
+    target, accept = verify(logits, drafts, jax.tree.map(lambda x: x[:b], sampling))
     new_drafts, draft_kv = None, state.draft_kv
     if mtp_drafts:
-        (next_tokens,), draft_ok = mtp_in
-        (seg,) = segments
+        next_tokens, draft_ok = mtp_in
         accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)                         # leading accepts
         emitted = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
-                            first.tokens)
-        col = jnp.arange(drafts.shape[1])[None, :]
-        tokens = jnp.where(col < accepted[:, None], next_tokens, emitted[:, None])
-        catch = jnp.where(seg.q_len > 0, accepted + 1, 0)
-        new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, [tokens], hidden, [catch], draft_ok, cfg,
+                            first.tokens[:b])
+        col = jnp.arange(k)[None, :]
+        tokens = [jnp.where(col < accepted[:, None], next_tokens[0], emitted[:, None])]
+        catch = [jnp.where(seg.q_len > 0, accepted + 1, 0)]
+        if len(segments) > 1:
+            tokens.append(jnp.where(next_tokens[1] >= 0, next_tokens[1], first.tokens[b:, None]))
+            catch.append(segments[1].q_len)
+        new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
                                            mtp_drafts, kernels)
     return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv)
 

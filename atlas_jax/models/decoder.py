@@ -48,12 +48,13 @@ def lm_head(params, x):
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
-            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False):
+            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False, logits: bool = True):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
     hidden: final-normed hidden states at the same positions, or at every position ([N, H] on the
     flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels. skip_recurrent: the GDN
-    mixers are skipped (their state untouched): the self-speculative draft model."""
+    mixers are skipped (their state untouched): the self-speculative draft model. logits=False (with
+    all_hidden): no lm_head, logits is None."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
@@ -72,7 +73,7 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if all_logits:
             return split_segments(lm_head(params, x), segments), (x if all_hidden else split_segments(x, segments)), new_state
-        return lm_head(params, last_positions(x, segments)), x, new_state
+        return (lm_head(params, last_positions(x, segments)) if logits else None), x, new_state
     x = rms_norm(last_positions(x, segments), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
     return lm_head(params, x), x, new_state
 
