@@ -202,11 +202,9 @@ class ModelRunner:
         b = sum(s.tokens.shape[0] for s in segments)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         sampling = self._sampling(sampling_rows, b)
-        prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
-                                                 np.int32))
-                            for s, rs in zip(segments, (decode, prefill) if prefill else (decode,)))
         groups = (decode, prefill) if prefill else (decode,)
-        out, drafts = self._run("step", segments, sampling, prompt_lens, self._mtp_in(segments, groups, sampling_rows))
+        out, drafts = self._run("step", segments, sampling, self._prompt_lens(segments, groups),
+                                self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["mixed" if prefill else "decode"] += 1
         self.last_drafts = np.asarray(drafts)[live] if drafts is not None else None
         return self._outputs(out, live, rows)
@@ -236,10 +234,9 @@ class ModelRunner:
             draft_cols[i, :len(d)] = d
         sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
         groups = (rows, prefill) if prefill else (rows,)
-        prompt_lens = tuple(jnp.asarray(np.array([r.prompt_len for r in rs] + [0] * (s.tokens.shape[0] - len(rs)),
-                                                 np.int32)) for s, rs in zip(segments, groups))
         first, target, accept, new_drafts = self._run(
-            "verify", segments, self._sampling(sampling_rows, sum(s.tokens.shape[0] for s in segments)), prompt_lens,
+            "verify", segments, self._sampling(sampling_rows, sum(s.tokens.shape[0] for s in segments)),
+            self._prompt_lens(segments, groups),
             jnp.asarray(draft_cols), self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
@@ -270,6 +267,12 @@ class ModelRunner:
         drafts = np.asarray(self._run("draft", self._segment(rows, b, 1), jnp.asarray(caps_col)))
         self.step_counts["draft"] += 1
         return [[int(t) for t in drafts[i, :c]] for i, c in enumerate(caps)]
+
+    @staticmethod
+    def _prompt_lens(segments, groups):
+        """Per segment [B] prompt lengths of its rows (0 for padding rows)."""
+        return tuple(jnp.asarray(np.array([r.prompt_len for r in rows] + [0] * (s.tokens.shape[0] - len(rows)),
+                                          np.int32)) for s, rows in zip(segments, groups))
 
     def _mtp_in(self, segments, groups, sampling_rows):
         """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
