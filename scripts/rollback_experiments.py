@@ -55,7 +55,6 @@ def drift(path, dtype, cycles, num_drafts, seed=0):
 def verify_cost(path, num_drafts, iters):
     llm = LLM(path, dtype="auto", speculative={"method": "ngram", "num_drafts": num_drafts}, **ENGINE)
     runner, out = llm.runner, {}
-    vocab = llm.cfg.vocab_size
     for b in (1, 8):
         pages = [llm.engine.blocks.allocate(4) for _ in range(b)]
         slots = llm.engine.slots.allocate(b)
@@ -71,7 +70,6 @@ def verify_cost(path, num_drafts, iters):
         for p in pages:
             llm.engine.blocks.free(p)
         llm.engine.slots.free(slots)
-    del vocab
     return out
 
 

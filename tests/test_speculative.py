@@ -62,7 +62,7 @@ def _tokens(outs):
 
 
 def _stats_delta(spec, fn):
-    before = dict(spec.engine.spec_stats.__dict__, accepted_hist=dict(spec.engine.spec_stats.accepted_hist))
+    before = dict(spec.engine.spec_stats.__dict__)
     out = fn()
     after = spec.engine.spec_stats
     return out, {k: getattr(after, k) - before[k] for k in ("rows", "drafted", "accepted")}

@@ -263,7 +263,6 @@ class EngineCore:
                 self.spec_stats.record(len(d), accepted)
             seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
             seq.state_idx = accepted                    # ... and their recurrent state is at this position
-            self.proposer.verified(seq, len(d), accepted)
             for tok in toks:
                 seq.append(tok, self.cfg.eos_token_ids, None if d else self._logprobs(seq, out, i))
                 if seq.finished:
@@ -300,7 +299,7 @@ class EngineCore:
 
 def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
     if spec.method == "mtp":
-        if not engine.runner.mtp_drafts or not engine.runner.state.draft_kv:
+        if not engine.runner.state.draft_kv:
             raise ValueError("speculative method 'mtp' needs a checkpoint with mtp.* tensors (none were loaded)")
         return MtpProposer()
     if spec.method == "ngram":

@@ -73,7 +73,6 @@ class ModelRunner:
                  kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
                  self_drafts: bool = False):
         self.cfg = cfg
-        self.kernels = kernels
         self.params = params
         self.num_pages = num_pages
         self.page_size = page_size
@@ -170,14 +169,18 @@ class ModelRunner:
             seed=col(lambda r: r.seed, np.uint32), step=col(lambda r: r.step, np.int32),
             slot=col(lambda r: r.slot, np.int32))
 
-    def _run(self, kind: str, *args):
+    def _executable(self, kind: str, args):
+        """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
         key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
         exe = self._executables.get(key)
         if exe is None:
             exe = self._jitted[kind].lower(self.params, self.state, *args).compile()
             self._executables[key] = exe
             self.num_compiles += 1
-        out, self.state = exe(self.params, self.state, *args)
+        return exe
+
+    def _run(self, kind: str, *args):
+        out, self.state = self._executable(kind, args)(self.params, self.state, *args)
         return out
 
     # ---- steps ------------------------------------------------------------------------------
@@ -354,7 +357,4 @@ class ModelRunner:
         else:
             saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
-        key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
-        if key not in self._executables:
-            self._executables[key] = self._jitted[kind].lower(self.params, self.state, *args).compile()
-            self.num_compiles += 1
+        self._executable(kind, args)

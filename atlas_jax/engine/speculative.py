@@ -49,7 +49,6 @@ class SpeculativeConfig:
             raise ValueError("the scripted proposer needs propose(seq, max_drafts)")
         return cfg
 
-
     @classmethod
     def from_cli(cls, text: str | None) -> "SpeculativeConfig | None":
         """'ngram', 'ngram:3' or a JSON object -> a config (None for None / '')."""
@@ -81,17 +80,12 @@ def wants_drafts(seq: Sequence) -> bool:
 
 
 class Proposer:
-    """Drafts for a batch of decoding sequences. `propose` returns up to max_drafts[i] tokens for
-    seqs[i]; `verified` tells the proposer what the target kept (to trim its own state)."""
+    """Drafts for a batch of decoding sequences: `propose` returns up to max_drafts[i] tokens for
+    seqs[i]. (No proposer keeps state that needs trimming: the MTP head's KV is rewritten by the
+    next step's catch-up, see models/mtp.py.)"""
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         raise NotImplementedError
-
-    def verified(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
-        pass
-
-    def release(self, seq: Sequence) -> None:
-        pass
 
 
 class NgramProposer(Proposer):

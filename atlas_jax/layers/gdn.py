@@ -144,21 +144,19 @@ def _write_each(pool, batch, values):
     return pool.at[slot, idx].set(values.reshape(b * t, *values.shape[2:]).astype(pool.dtype), mode="drop")
 
 
-def pallas_core(q, k, v, g, beta, h_pool, batch, interpret: bool):
+def pallas_core(q, k, v, g, beta, h_pool, batch, fresh, interpret: bool):
     """The recurrence through the Pallas kernels: q, k [B, T, Hk, Dk] (key heads, not repeated);
-    h_pool [S, R, Hv, Dk, Dv]. Returns (o [B, T, Hv, Dv], h_pool)."""
+    h_pool [S, R, Hv, Dk, Dv]; fresh [B] rows starting from zero state. Returns (o [B, T, Hv, Dv], h_pool)."""
     b, t = q.shape[:2]
-    pool = h_pool
-    fresh = batch.start == 0
     if t <= RECURRENT_MAX_T:
-        return pallas_gdn.gdn_recurrent(q, k, v, g, beta, pool, batch.slot, batch.state_idx, batch.q_len, fresh,
+        return pallas_gdn.gdn_recurrent(q, k, v, g, beta, h_pool, batch.slot, batch.state_idx, batch.q_len, fresh,
                                         interpret=interpret)
     tp = -(-t // pallas_gdn.CHUNK) * pallas_gdn.CHUNK          # rows start on chunk boundaries
     flat = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)).reshape(b * tp, *x.shape[2:])
     offset = jnp.arange(b, dtype=jnp.int32) * tp
-    o, pool = pallas_gdn.gdn_chunked(*(flat(x) for x in (q, k, v, g, beta)), pool, offset, batch.q_len,
-                                     batch.slot, batch.state_idx, fresh, interpret=interpret)
-    return o.reshape(b, tp, *o.shape[1:])[:, :t], pool
+    o, h_pool = pallas_gdn.gdn_chunked(*(flat(x) for x in (q, k, v, g, beta)), h_pool, offset, batch.q_len,
+                                       batch.slot, batch.state_idx, fresh, interpret=interpret)
+    return o.reshape(b, tp, *o.shape[1:])[:, :t], h_pool
 
 
 def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
@@ -197,7 +195,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     g = jnp.where(valid, g, 0.0)
 
     if kernels.pallas:
-        o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, kernels.interpret)
+        o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret)
         if decode:
             conv_pool = _write_final(conv_pool, batch, _after(window, o))
         return o, (h_pool, conv_pool)

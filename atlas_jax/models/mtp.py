@@ -6,7 +6,7 @@ over the head's own paged KV, same page ids as the target's) -> norm -> shared l
 predicts tok_{p+2}. Drafting continues from the head's own output hidden state.
 
 KV invariant: the head's KV at every position below the sequence's num_cached comes from a
-catch-up over target hidden states (`catch_up`), so a rejected draft's KV (written at positions
+catch-up over target hidden states (`propose`'s first pass), so a rejected draft's KV (written at positions
 >= num_cached) is overwritten by the next step's catch-up before anything attends to it: the
 trim on rejection is implicit and free.
 """
