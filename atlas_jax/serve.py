@@ -4,13 +4,16 @@
 With no --model it serves the embedded default model. The port opens at once; the engine thread
 compiles every step shape first, and /health answers 503 (Retry-After) until that is done, so a
 200 means serving compiles nothing more.
-SIGINT / SIGTERM: stop accepting, abort what is in flight, exit 0.
+SIGINT / SIGTERM: drain — new requests get 503 + Retry-After (and /health 503), requests in flight
+run to their end for up to --shutdown-timeout seconds, then the rest end with an error (streams: an
+error event and `data: [DONE]`); exit 0. A second signal ends the drain at once.
 """
 from __future__ import annotations
 
 import argparse
 import logging
 import os
+import time
 
 from .engine.speculative import SpeculativeConfig
 from .kernels import KERNELS
@@ -40,6 +43,10 @@ def parse_args(argv=None):
     ap.add_argument("--request-timeout", type=float, default=None, help="seconds; a request running longer ends "
                     "with finish_reason 'timeout'")
     ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After")
+    ap.add_argument("--max-body-bytes", type=int, default=1 << 22, help="largest request body (default 4 MiB); "
+                    "larger ones are refused with 413 while being read")
+    ap.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight may take to "
+                    "finish after SIGTERM / SIGINT before they are ended with an error (default 30)")
     ap.add_argument("--speculative", default=None, help="speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, "
                     "ngram; e.g. 'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
     ap.add_argument("--log-level", default="info")
@@ -70,30 +77,57 @@ def main(argv=None) -> None:
     engine = AsyncLLM.from_llm(llm, warmup=True)       # compiles in the engine thread; /health is 503 until done
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
-                    request_timeout=args.request_timeout, max_waiting=args.max_waiting)
+                    request_timeout=args.request_timeout, max_waiting=args.max_waiting,
+                    max_body_bytes=args.max_body_bytes)
 
     logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (warming up; /health is 503 until ready)",
                                         name, args.host, args.port)
-    server = _GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                            timeout_graceful_shutdown=10))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=5)
+    server = _DrainingServer(config, engine, args.shutdown_timeout)
     try:
-        server.run()          # returns after SIGINT / SIGTERM: no new connections, open ones drained
+        server.run()          # returns after the drain that SIGINT / SIGTERM starts
     finally:
         engine.shutdown()     # abort whatever is still in flight, stop the engine thread
 
 
-class _GracefulServer:
-    """uvicorn.Server that treats SIGINT / SIGTERM as a request to shut down and exit 0 (uvicorn
-    re-raises the captured signal after its graceful shutdown, which would end the process by it)."""
+def _DrainingServer(config, engine, shutdown_timeout: float):
+    """uvicorn.Server whose SIGINT / SIGTERM drains (module docstring) and exits 0 (uvicorn
+    re-raises a captured signal after its own shutdown, which would end the process by it)."""
+    import uvicorn
 
-    def __new__(cls, config):
-        import uvicorn
+    log = logging.getLogger("atlas_jax")
+    grace = 3.0                                       # for error events to reach clients after fail_all
 
-        class Server(uvicorn.Server):
-            def handle_exit(self, sig, frame):
-                super().handle_exit(sig, frame)
-                self._captured_signals.clear()
-        return Server(config)
+    class Server(uvicorn.Server):
+        drain_deadline = None                         # monotonic time the drain ends; None: serving
+        failed_at = None                              # when what was left got its error
+
+        def handle_exit(self, sig, frame):
+            self._captured_signals.clear()
+            now = time.monotonic()
+            if self.drain_deadline is None:
+                log.warning("signal %d: draining %d request(s) in flight for up to %.0f s",
+                            sig, engine.num_in_flight, shutdown_timeout)
+                engine.drain()
+                self.drain_deadline = now + shutdown_timeout
+            else:
+                self.drain_deadline = now             # a second signal: end the drain now
+
+        async def on_tick(self, counter: int) -> bool:
+            if await super().on_tick(counter):
+                return True
+            if self.drain_deadline is None:
+                return False
+            now = time.monotonic()
+            if engine.num_in_flight == 0:
+                return True
+            if self.failed_at is None and now >= self.drain_deadline:
+                log.warning("drain timed out: ending %d request(s) with an error", engine.num_in_flight)
+                engine.fail_all("the server shut down before this request finished")
+                self.failed_at = now
+            return self.failed_at is not None and now >= self.failed_at + grace
+    return Server(config)
 
 
 def _pages_for_memory(args, llm_kwargs) -> int:

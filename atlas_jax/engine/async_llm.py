@@ -10,23 +10,26 @@ through one asyncio.Queue per request, filled with `loop.call_soon_threadsafe`.
     await llm.abort("r1")
 
 Leaving the `async for` early (client gone, task cancelled) aborts the request and frees its
-pages. If a step raises, every in-flight request fails with EngineDeadError and the engine
-accepts no more requests (`errored` says why).
+pages. A request the engine fails alone (EngineCore's step containment) ends its stream with
+RequestFailedError; the others go on. Only a step that consumed the device state kills the engine:
+every in-flight request then fails with EngineDeadError and the engine accepts no more (`errored`
+says why). Validation and tokenization run on a small worker pool, off the caller's event loop.
+`drain()` stops accepting; `fail_all(msg)` ends what is in flight with an error (graceful shutdown).
 """
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import queue
 import threading
 from typing import AsyncIterator
 
 from .core import EngineCore, Request
+from .errors import EngineDeadError, RequestFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
-
-class EngineDeadError(RuntimeError):
-    pass
+PREP_WORKERS = 4        # threads that validate / tokenize / template requests (tokenizers releases the GIL)
 
 
 class _Finished:  # noqa: N801
@@ -56,6 +59,8 @@ class AsyncLLM:
         self._stop = threading.Event()
         self.errored: BaseException | None = None
         self._warmup = warmup
+        self._draining = False
+        self._prep = concurrent.futures.ThreadPoolExecutor(PREP_WORKERS, thread_name_prefix="atlas_jax-prep")
         self._ready = threading.Event()
         if not warmup:
             self._ready.set()
@@ -66,6 +71,10 @@ class AsyncLLM:
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.errored is None and not self._stop.is_set()
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
 
     @property
     def is_ready(self) -> bool:
@@ -81,14 +90,32 @@ class AsyncLLM:
         return len(self._streams)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
-        """Validate (ValueError on bad input) and queue a request; returns it and its output queue."""
+        """Validate (InvalidRequestError, a ValueError) and queue a request on the caller's thread;
+        returns it and its output queue. Servers use `add_request_async` (validation off the loop)."""
+        self._check_accepting()
+        return self._enqueue(self.engine.make_request(prompt, params, request_id))
+
+    async def add_request_async(self, prompt, params: SamplingParams,
+                                request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
+        """add_request with validation and tokenization on the worker pool."""
+        self._check_accepting()
+        req = await self.offload(self.engine.make_request, prompt, params, request_id)
+        self._check_accepting()
+        return self._enqueue(req)
+
+    async def offload(self, fn, *args):
+        """Run fn(*args) on the worker pool (heavy host work: templates, tokenization, decoding)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prep, fn, *args)
+
+    def _check_accepting(self) -> None:
         if self.errored is not None:
             raise EngineDeadError(f"engine failed: {self.errored!r}")
-        if self._stop.is_set():
+        if self._stop.is_set() or self._draining:
             raise EngineDeadError("engine is shutting down")
         if not self._ready.is_set():
             raise EngineDeadError("engine is still warming up")
-        req = self.engine.make_request(prompt, params, request_id)
+
+    def _enqueue(self, req: Request) -> tuple[Request, asyncio.Queue]:
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
             if req.request_id in self._streams:
@@ -98,7 +125,7 @@ class AsyncLLM:
         return req, stream
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        req, stream = self.add_request(prompt, params, request_id)
+        req, stream = await self.add_request_async(prompt, params, request_id)
         finished = False
         try:
             while True:
@@ -120,8 +147,18 @@ class AsyncLLM:
     def abort_nowait(self, request_id: str, reason: str = "abort") -> None:
         self._commands.put(("abort", str(request_id), reason))
 
+    def drain(self) -> None:
+        """Accept no new requests; those in flight go on."""
+        self._draining = True
+
+    def fail_all(self, message: str) -> None:
+        """End every in-flight request with EngineDeadError(message) (their pages are freed)."""
+        self._commands.put(("fail_all", message))
+
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop after aborting whatever is still in flight."""
+        self._draining = True
+        self._prep.shutdown(wait=False, cancel_futures=True)
         self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
@@ -140,6 +177,9 @@ class AsyncLLM:
                 pass
 
     def _emit(self, req: Request) -> None:
+        if req.error is not None:                   # failed by the engine, or ended by fail_all
+            self._push(req.request_id, RequestFailedError(req.error))
+            return
         if req.params.output_kind != "final_only" or req.finished:
             self._push(req.request_id, req.output())
         if req.finished:
@@ -156,6 +196,10 @@ class AsyncLLM:
             req = self.engine.abort(cmd[1], reason=cmd[2])
             if req is not None:
                 self._emit(req)
+        elif cmd[0] == "fail_all":
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid, reason="abort", error=cmd[1])
+                self._push(rid, EngineDeadError(cmd[1]))
 
     def _loop(self) -> None:
         try:

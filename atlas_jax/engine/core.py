@@ -8,6 +8,7 @@ a ValueError and never disturbs the ones in flight.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import numpy as np
@@ -16,13 +17,16 @@ from ..config import ModelConfig
 from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
 from .detokenizer import IncrementalDetokenizer
+from .errors import InvalidRequestError
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner, RowInput
-from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, default_watermark
+from .sampling_params import SamplingParams, _is_int
+from .scheduler import ScheduledStep, Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
 from .speculative import (MtpProposer, NgramProposer, ScriptedProposer, SelfProposer, SpecStats, SpeculativeConfig,
                           wants_drafts)
+
+log = logging.getLogger("atlas_jax.engine")
 
 
 class Request:
@@ -96,38 +100,49 @@ class EngineCore:
         self._order = itertools.count()
         self._ids = itertools.count()
         self.num_steps = 0
+        self.num_failed_requests = 0                 # failed alone by step containment
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
+                raise InvalidRequestError("this model has no tokenizer.json; pass token ids instead of text", "prompt")
             return prompt, self.tokenizer.encode(prompt)
-        try:
-            ids = [int(t) for t in prompt]
-        except (TypeError, ValueError):
-            raise ValueError("a prompt is a string or a list of token ids") from None
+        if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(_is_int(t) for t in prompt):
+            raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
+        ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})")
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})",
+                                      "prompt")
         return None, ids
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError when it can never run.
         Touches no engine state, so any thread may call it."""
         if not isinstance(params, SamplingParams):
-            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         text, ids = self.encode(prompt)
         if not ids:
-            raise ValueError("prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                             f"(the prompt must leave room for at least one new token)")
-        max_len = min(self.max_model_len, len(ids) + params.max_tokens)
+            raise InvalidRequestError("prompt is empty", "prompt")
+        room = self.max_model_len - len(ids)
+        if room < 1:
+            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                                      f"(the prompt must leave room for at least one new token)", "prompt")
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise InvalidRequestError(
+                f"max_tokens is too large: this model's maximum context length is {self.max_model_len} tokens and "
+                f"the prompt has {len(ids)}, so at most {room} new tokens fit; {params.max_tokens} were asked for",
+                "max_tokens")
+        bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.cfg.vocab_size})", "stop_token_ids")
+        max_len = len(ids) + (room if params.max_tokens is None else params.max_tokens)
         if self.blocks.pages_for(max_len) > self.num_pages:
-            raise ValueError(f"request needs {self.blocks.pages_for(max_len)} KV pages of {self.blocks.page_size} "
-                             f"tokens; the cache has {self.num_pages}")
+            raise InvalidRequestError(f"request needs {self.blocks.pages_for(max_len)} KV pages of "
+                                      f"{self.blocks.page_size} tokens; the cache has {self.num_pages}")
         seqs = []
         for i in range(params.n):
             seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._seed_rng.integers(2**32))
@@ -167,14 +182,30 @@ class EngineCore:
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Schedule and run one step. Returns the requests that got tokens (or finished)."""
+        """Schedule and run one step. Returns the requests that got tokens, finished or failed.
+
+        A step that raises is contained: while the device state survived (the failure came before
+        the device ran: host-side inputs), every scheduled sequence runs again alone, and a request
+        whose own step raises fails alone (finish_reason "error", `Request.error`); the rest make
+        their progress. Only a failure that consumed the donated state is raised (the engine is
+        then dead). Host work after the device ran is contained per row (`_contain`)."""
         plan = self.scheduler.schedule()
         if plan.empty:
             if self.scheduler.has_work():
                 raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
             return []
+        try:
+            return self._run(plan, speculate=True)
+        except Exception as e:
+            if self.runner.state_lost():
+                raise
+            log.warning("step failed before the device ran (%r); running its %d sequences one by one",
+                        e, len(plan.decode) + len(plan.prefill))
+            return self._isolate(plan)
+
+    def _run(self, plan: ScheduledStep, speculate: bool) -> list[Request]:
         now = time.monotonic()
-        if self.proposer is not None and plan.decode:
+        if speculate and self.proposer is not None and plan.decode:
             drafts = self._drafts(plan.decode)
             if any(drafts):
                 return self._verify_step(plan.decode, drafts, plan.prefill, now)
@@ -188,10 +219,38 @@ class EngineCore:
         self.num_steps += 1
         touched = {}
         for i, (seq, n) in enumerate(work):
-            self._advance(seq, n, out, i, touched)
+            self._contain(seq, touched, lambda: self._advance(seq, n, out, i, touched))
         if plan.decode and self.proposer is not None:
             self.spec_stats.record_decode(len(plan.decode), len(plan.decode))
         return self._finish_step(touched)
+
+    def _isolate(self, plan: ScheduledStep) -> list[Request]:
+        """Run each sequence of a failed plan alone; fail the requests whose own step raises."""
+        touched = {}
+        for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
+            if seq.finished or seq not in self.scheduler.running:
+                continue                                  # failed with a sibling, or preempted
+            solo = ScheduledStep(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)])
+            try:
+                touched.update((r.request_id, r) for r in self._run(solo, speculate=False))
+            except Exception as e:
+                if self.runner.state_lost():
+                    raise
+                touched[seq.request.request_id] = self._fail(seq.request, e)
+        return list(touched.values())
+
+    def _contain(self, seq: Sequence, touched: dict, fn) -> None:
+        """Host bookkeeping of one row after the device ran: an exception fails that request only."""
+        try:
+            fn()
+        except Exception as e:
+            touched[seq.request.request_id] = self._fail(seq.request, e)
+
+    def _fail(self, req: Request, e: Exception) -> Request:
+        log.error("request %s failed in the engine: %r", req.request_id, e, exc_info=e)
+        self.num_failed_requests += 1
+        self.abort(req.request_id, reason="error", error=f"the engine failed this request: {e!r}")
+        return req
 
     def _advance(self, seq: Sequence, n: int, out: dict, i: int, touched: dict) -> None:
         """After a plain row of n tokens: cache progress, and the sampled token when the row reached the end."""
@@ -234,7 +293,7 @@ class EngineCore:
         (a verify emits up to drafts + 1) and the pages that can be had without preempting."""
         caps = []
         for s in seqs:
-            room = min(s.params.max_tokens - len(s.output_ids), s.max_len - s.num_tokens) - 1
+            room = s.max_len - s.num_tokens - 1
             cap = min(self.speculative.num_drafts, room) if wants_drafts(s) else 0
             if cap > 0:
                 cap = min(cap, self.scheduler.lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
@@ -256,21 +315,25 @@ class EngineCore:
         self.spec_stats.record_decode(len(seqs), sum(len(e) for e in emitted))
         touched = {}
         for j, (seq, n) in enumerate(prefill):
-            self._advance(seq, n, out, len(seqs) + j, touched)
+            self._contain(seq, touched, lambda: self._advance(seq, n, out, len(seqs) + j, touched))
         for i, (seq, d, toks) in enumerate(zip(seqs, drafts, emitted)):
-            accepted = len(toks) - 1
-            if d:
-                self.spec_stats.record(len(d), accepted)
-            seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
-            seq.state_idx = accepted                    # ... and their recurrent state is at this position
-            for tok in toks:
-                seq.append(tok, self.cfg.eos_token_ids, None if d else self._logprobs(seq, out, i))
-                if seq.finished:
-                    break
-            touched[seq.request.request_id] = seq.request
-            if seq.finished:
-                self.scheduler.remove(seq)
+            self._contain(seq, touched, lambda: self._accept(seq, d, toks, out, i, touched))
         return self._finish_step(touched)
+
+    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], out: dict, i: int, touched: dict) -> None:
+        """After a verify row: its accepted drafts and the target token, appended one by one."""
+        accepted = len(toks) - 1
+        if drafts:
+            self.spec_stats.record(len(drafts), accepted)
+        seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
+        seq.state_idx = accepted                    # ... and their recurrent state is at this position
+        for tok in toks:
+            seq.append(tok, self.cfg.eos_token_ids, None if drafts else self._logprobs(seq, out, i))
+            if seq.finished:
+                break
+        touched[seq.request.request_id] = seq.request
+        if seq.finished:
+            self.scheduler.remove(seq)
 
     @staticmethod
     def _logprobs(seq: Sequence, out, i: int) -> dict[int, float] | None:
@@ -291,7 +354,8 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
                 "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
-                "num_compiles": self.num_compiles, "num_steps": self.num_steps}
+                "num_compiles": self.num_compiles, "num_steps": self.num_steps,
+                "num_failed_requests": self.num_failed_requests}
 
     def warmup(self, progress: bool = True) -> int:
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress)

@@ -179,6 +179,11 @@ class ModelRunner:
             self.num_compiles += 1
         return exe
 
+    def state_lost(self) -> bool:
+        """True when a step consumed the donated state without returning a new one (it failed on the
+        device): the engine cannot go on. False after a failure in host-side preparation."""
+        return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+
     def _run(self, kind: str, *args):
         out, self.state = self._executable(kind, args)(self.params, self.state, *args)
         return out

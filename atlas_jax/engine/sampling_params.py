@@ -1,20 +1,32 @@
 """SamplingParams (vLLM's names and defaults) with validation at construction.
 
-Invalid values raise ValueError naming the field and its allowed range; the engine refuses
-such a request before it touches any state.
+Every field is type-checked and bounded here, so a value that reaches the device always fits its
+column (int32 / uint32 / float32) and a bad one raises InvalidRequestError (a ValueError) naming
+the field and its allowed range. What needs the model (token ids against the vocabulary,
+max_tokens against max_model_len - prompt length) is checked by EngineCore.make_request.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 
+import numpy as np
+
+from .errors import InvalidRequestError
 from .sampler import MAX_LOGPROBS
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+INT32_MAX = 2**31 - 1
+MAX_N = 128                     # completions per prompt
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 512
+MAX_STOP_TOKEN_IDS = 256
+SEED_RANGE = (-2**63, 2**63)    # int64, as vLLM; folded to the uint32 RNG seed
 
 
 def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
 def _finite(x) -> bool:
@@ -23,8 +35,8 @@ def _finite(x) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    n: int = 1                          # completions per prompt
-    max_tokens: int = 16
+    n: int = 1                          # completions per prompt, <= MAX_N
+    max_tokens: int | None = 16         # None: up to max_model_len; prompt + max_tokens must fit max_model_len
     temperature: float = 1.0            # 0 = greedy
     top_k: int = 0                      # 0 (or -1) = off
     top_p: float = 1.0                  # (0, 1]
@@ -32,7 +44,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0     # > 0; 1 = off
     presence_penalty: float = 0.0       # [-2, 2]
     frequency_penalty: float = 0.0      # [-2, 2]
-    seed: int | None = None             # per-request RNG stream; None = drawn by the engine
+    seed: int | None = None             # per-request RNG stream (int64); None = drawn by the engine
     stop: tuple[str, ...] = ()          # stop strings (not included in the text unless asked)
     stop_token_ids: tuple[int, ...] = ()
     include_stop_str_in_output: bool = False
@@ -43,40 +55,51 @@ class SamplingParams:
 
     def __post_init__(self):
         def bad(field, allowed):
-            raise ValueError(f"{field} must be {allowed}, got {getattr(self, field)!r}")
-        if not _is_int(self.n) or self.n < 1:
-            bad("n", "an integer >= 1")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            bad("max_tokens", "an integer >= 1")
+            value = repr(getattr(self, field))
+            raise InvalidRequestError(f"{field} must be {allowed}, got {value[:80]}", field)
+
+        def integer(field, lo, hi, allowed):
+            v = getattr(self, field)
+            if not (_is_int(v) and lo <= v <= hi):
+                bad(field, allowed)
+            object.__setattr__(self, field, int(v))
+        integer("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
+        if self.max_tokens is not None:
+            integer("max_tokens", 1, INT32_MAX, "None or an integer >= 1")
         if not (_finite(self.temperature) and self.temperature >= 0.0):
-            bad("temperature", ">= 0")
-        if self.top_k == -1:
+            bad("temperature", "a finite number >= 0")
+        if self.top_k == -1 and _is_int(self.top_k):
             object.__setattr__(self, "top_k", 0)
-        if not _is_int(self.top_k) or self.top_k < 0:
-            bad("top_k", "an integer >= 0 (or -1 for off)")
+        integer("top_k", 0, INT32_MAX, "-1 or 0 (off), or an integer in [1, 2**31)")
         if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             bad("top_p", "in (0, 1]")
         if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
             bad("min_p", "in [0, 1]")
-        if not (_finite(self.repetition_penalty) and self.repetition_penalty > 0.0):
-            bad("repetition_penalty", "> 0")
+        if not (_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 1e6):
+            bad("repetition_penalty", "in (0, 1e6]")
         for f in ("presence_penalty", "frequency_penalty"):
             if not (_finite(getattr(self, f)) and -2.0 <= getattr(self, f) <= 2.0):
                 bad(f, "in [-2, 2]")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 2**32):
-            bad("seed", "an integer in [0, 2**32)")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            bad("logprobs", f"None or an integer in [0, {MAX_LOGPROBS}]")
+        if self.seed is not None:
+            integer("seed", SEED_RANGE[0], SEED_RANGE[1] - 1, "None or a 64-bit integer")
+        if self.logprobs is not None:
+            integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        for f in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "a boolean")
         if self.output_kind not in OUTPUT_KINDS:
             bad("output_kind", f"one of {OUTPUT_KINDS}")
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-        if not all(isinstance(s, str) and s for s in stop):
-            bad("stop", "a non-empty string or a list of them")
-        object.__setattr__(self, "stop", stop)
-        try:
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
-        except (TypeError, ValueError):
-            bad("stop_token_ids", "a list of integers")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not (isinstance(stop, (tuple, list)) and len(stop) <= MAX_STOP_STRINGS
+                and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)):
+            bad("stop", f"a non-empty string of <= {MAX_STOP_STRING_CHARS} characters or a list of up to "
+                        f"{MAX_STOP_STRINGS} of them")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not (isinstance(ids, (tuple, list)) and len(ids) <= MAX_STOP_TOKEN_IDS
+                and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
+            bad("stop_token_ids", f"a list of up to {MAX_STOP_TOKEN_IDS} non-negative token ids")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
 
     @property
     def penalised(self) -> bool:

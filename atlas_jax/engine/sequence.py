@@ -53,7 +53,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     seed: int                                  # resolved RNG seed
-    max_len: int                               # prompt + generated tokens never exceed this
+    max_len: int                               # prompt + max_tokens (<= max_model_len): never exceeded
     order: int = 0                             # arrival order (scheduling priority)
     detok: IncrementalDetokenizer | None = None
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -121,7 +121,7 @@ class Sequence:
             self.finish("stop", token)
         elif not p.ignore_eos and token in eos_ids:
             self.finish("stop", None)
-        elif len(self.output_ids) >= p.max_tokens or self.num_tokens >= self.max_len:
+        elif self.num_tokens >= self.max_len:          # max_tokens or max_model_len
             self.finish("length")
 
     def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:

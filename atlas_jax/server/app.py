@@ -9,30 +9,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
-import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
 
-from ..engine.async_llm import FINISHED, AsyncLLM, EngineDeadError
+from ..engine.async_llm import FINISHED, AsyncLLM
+from ..engine.errors import EngineDeadError, InvalidRequestError
 from ..engine.outputs import CompletionOutput
+from ..tokenizer import check_unicode
 from .chat import ChatTemplate
-from .protocol import ChatCompletionRequest, CompletionRequest
+from .guard import JSON, APIError, Guard, error_body, error_response, error_type, read_json
+from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict | None = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
-
-
-def _error_response(status, message, type_, param=None, code=None, headers=None):
-    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
-                        status_code=status, headers=headers)
+log = logging.getLogger("atlas_jax.server")
 
 
 class Metrics:
@@ -66,45 +60,32 @@ class Metrics:
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, chat_template: str | None = None,
               request_timeout: float | None = None, max_waiting: int = 256, max_body_bytes: int = 1 << 22) -> FastAPI:
-    app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None)
+    app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON)
     metrics = Metrics(engine)
     template = ChatTemplate.for_model(engine.llm.model_path, chat_template)
     tokenizer = engine.tokenizer
+    vocab_size = engine.engine.cfg.vocab_size
     app.state.engine, app.state.metrics = engine, metrics
-
-    @app.middleware("http")
-    async def frame(request: Request, call_next):
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
-        request.state.request_id = rid
-        path = request.url.path
-        try:
-            if path.startswith("/v1/") and api_key is not None:
-                auth = request.headers.get("authorization", "")
-                if auth != f"Bearer {api_key}":
-                    raise APIError(401, "invalid API key", "authentication_error", code="invalid_api_key")
-            if int(request.headers.get("content-length") or 0) > max_body_bytes:
-                raise APIError(413, f"request body over {max_body_bytes} bytes")
-            response = await call_next(request)
-        except APIError as e:
-            response = _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
-        response.headers["x-request-id"] = rid
-        metrics.requests.labels(path, str(response.status_code)).inc()
-        return response
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, is_draining=lambda: engine.is_draining,
+                       on_response=lambda path, status: metrics.requests.labels(_path_label(path), str(status)).inc())
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):
-        return _error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+        return error_response(e.status, e.message, e.type, e.param, e.code, e.headers)
+
+    @app.exception_handler(InvalidRequestError)
+    async def invalid_request(request, e: InvalidRequestError):
+        return error_response(400, str(e), "invalid_request_error", e.param)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return error_response(e.status_code, str(e.detail), error_type(e.status_code), headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"msg": "invalid request", "loc": ()}
         param = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or None
-        msg = "malformed JSON body" if err.get("type") == "json_invalid" else f"{param}: {err.get('msg')}"
-        return _error_response(400, msg, "invalid_request_error", param)
-
-    @app.exception_handler(Exception)
-    async def crashed(request, e: Exception):
-        return _error_response(500, f"internal error: {e!r}", "internal_server_error")
+        return error_response(400, f"{param}: {err.get('msg')}", "invalid_request_error", param)
 
     def check_model(model):
         if model not in (None, served_model_name):
@@ -112,6 +93,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                            param="model", code="model_not_found")
 
     def check_capacity():
+        if engine.is_draining:
+            raise APIError(503, "server is shutting down; retry later", "service_unavailable",
+                           headers={"Retry-After": "5"})
         if not engine.is_running:
             raise APIError(503, f"engine is not running: {engine.errored!r}", "service_unavailable")
         if not engine.is_ready:
@@ -122,9 +106,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
     async def outputs(prompt, params, rid):
         """Delta RequestOutputs of one request, ending with a finished one; aborts on exit or timeout."""
         try:
-            req, stream = engine.add_request(prompt, params, rid)
+            req, stream = await engine.add_request_async(prompt, params, rid)
         except EngineDeadError as e:
-            raise APIError(500, str(e), "internal_server_error") from None
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
         deadline = None if request_timeout is None else time.monotonic() + request_timeout
@@ -143,7 +129,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     return
                 if isinstance(item, BaseException):
                     done = True
-                    raise APIError(500, f"request failed: {item}", "internal_server_error")
+                    status, kind = (503, "service_unavailable") if isinstance(item, EngineDeadError) else (500, "internal_server_error")
+                    raise APIError(status, f"request failed: {item}", kind)
                 yield item
         finally:
             if not done:
@@ -193,7 +180,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         return items()
 
     def sse(obj) -> str:
-        return f"data: {json.dumps(obj)}\n\n"
+        return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
 
     async def guarded(events):
         """A stream that fails midway ends with an OpenAI error event and [DONE], never silently."""
@@ -201,17 +188,24 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             async for chunk in events:
                 yield chunk
         except APIError as e:
-            yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+            yield sse(error_body(e.message, e.type, e.param, e.code))
+            yield "data: [DONE]\n\n"
+        except Exception as e:                     # noqa: BLE001 — a bug; the client still gets a clean end
+            log.exception("stream failed")
+            yield sse(error_body(f"internal error: {e!r}", "internal_server_error"))
             yield "data: [DONE]\n\n"
 
     # ---- routes ------------------------------------------------------------------------------
     @app.get("/health")
     async def health():
+        if engine.is_draining:
+            return error_response(503, "draining: finishing the requests in flight, accepting none",
+                                  "service_unavailable", headers={"Retry-After": "5"})
         if not engine.is_running:
-            return _error_response(503, f"engine not running: {engine.errored!r}", "service_unavailable")
+            return error_response(503, f"engine not running: {engine.errored!r}", "service_unavailable")
         if not engine.is_ready:
-            return _error_response(503, "warming up (compiling step buckets)", "service_unavailable",
-                                   headers={"Retry-After": "5"})
+            return error_response(503, "warming up (compiling step buckets)", "service_unavailable",
+                                  headers={"Retry-After": "5"})
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -223,23 +217,37 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": int(time.time()),
                                             "owned_by": "atlas_jax", "max_model_len": engine.engine.max_model_len}]}
 
+    def need_tokenizer():
+        if tokenizer is None:
+            raise APIError(400, "this model has no tokenizer.json")
+
     @app.post("/tokenize")
-    async def tokenize(body: dict):
-        text = body.get("prompt")
-        if not isinstance(text, str) or tokenizer is None:
-            raise APIError(400, "tokenize needs {'prompt': str} and a model with a tokenizer", param="prompt")
-        ids = tokenizer.encode(text)
+    async def tokenize(request: Request):
+        body = await read_json(request, TokenizeRequest, engine.offload)
+        need_tokenizer()
+        if body.messages is not None:
+            text = await engine.offload(render_chat, body.messages, body.add_generation_prompt)
+        elif body.prompt is not None:
+            text = body.prompt
+        else:
+            raise APIError(400, "tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
+        ids = await engine.offload(tokenizer.encode, text)
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
 
     @app.post("/detokenize")
-    async def detokenize(body: dict):
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids) or tokenizer is None:
-            raise APIError(400, "detokenize needs {'tokens': [int]} and a model with a tokenizer", param="tokens")
-        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+    async def detokenize(request: Request):
+        body = await read_json(request, DetokenizeRequest, engine.offload)
+        need_tokenizer()
+        return {"prompt": await engine.offload(tokenizer.decode_checked, body.tokens, vocab_size)}
+
+    def render_chat(messages, add_generation_prompt):
+        for i, m in enumerate(messages):
+            check_unicode(m.text(), f"messages.{i}.content")
+        return template.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await read_json(request, CompletionRequest, engine.offload)
         check_model(body.model)
         check_capacity()
         prompts = body.prompt
@@ -247,10 +255,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             prompts = [prompts]
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+        params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         rid = f"cmpl-{request.state.request_id}"
         created, n = int(time.time()), body.n
         items = await started(prompts, params, rid)
@@ -259,9 +266,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             if c.logprobs is None:
                 return None
             toks = [tokenizer.decode([t], skip_special_tokens=False) if tokenizer else str(t) for t in c.token_ids]
-            return {"tokens": toks, "token_logprobs": [lp[t] for lp, t in zip(c.logprobs, c.token_ids)],
-                    "top_logprobs": [{(tokenizer.decode([k], skip_special_tokens=False) if tokenizer else str(k)): v
-                                      for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
+            return {"tokens": toks, "token_logprobs": [_logprob(lp[t]) for lp, t in zip(c.logprobs, c.token_ids)],
+                    "top_logprobs": [{(tokenizer.decode([k], skip_special_tokens=False) if tokenizer else str(k)):
+                                      _logprob(v) for k, v in lp.items()} for lp in c.logprobs], "text_offset": None}
 
         if body.stream:
             async def events():
@@ -300,30 +307,30 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 if c.finished:
                     finish[k], stop_reason[k] = c.finish_reason, c.stop_reason
             _observe(out)
-        choices = []
-        for k in sorted(texts):
-            lp = None
-            if k in lps:
-                lp = choice_logprobs(CompletionOutput(k, texts[k], ids[k], finish[k], logprobs=lps[k]))
-            choices.append({"index": k, "text": texts[k], "logprobs": lp, "finish_reason": finish.get(k),
-                            "stop_reason": stop_reason.get(k)})
-        p, c = sum(prompt_len.values()), sum(len(v) for v in ids.values())
-        return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
-                "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+
+        def body_of_completion():
+            choices = []
+            for k in sorted(texts):
+                lp = None
+                if k in lps:
+                    lp = choice_logprobs(CompletionOutput(k, texts[k], ids[k], finish[k], logprobs=lps[k]))
+                choices.append({"index": k, "text": texts[k], "logprobs": lp, "finish_reason": finish.get(k),
+                                "stop_reason": stop_reason.get(k)})
+            p, c = sum(prompt_len.values()), sum(len(v) for v in ids.values())
+            return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
+                    "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+        return await engine.offload(body_of_completion)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await read_json(request, ChatCompletionRequest, engine.offload)
         check_model(body.model)
         check_capacity()
-        try:
-            prompt = template.render([{"role": m.role, "content": m.text()} for m in body.messages],
-                                     body.add_generation_prompt)
-            top = (body.top_logprobs or 0) if body.logprobs else None
-            params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
+        top = (body.top_logprobs or 0) if body.logprobs else None
+        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
+        prompt = await engine.offload(render_chat, body.messages, body.add_generation_prompt)
         rid = f"chatcmpl-{request.state.request_id}"
-        created, n = int(time.time()), body.n
+        created = int(time.time())
         items = await started([prompt], params, rid)
 
         def tok(t):
@@ -333,8 +340,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         def chat_logprobs(c):
             if c.logprobs is None:
                 return None
-            return {"content": [{**tok(t), "logprob": lp[t],
-                                 "top_logprobs": [{**tok(k), "logprob": v} for k, v in
+            return {"content": [{**tok(t), "logprob": _logprob(lp[t]),
+                                 "top_logprobs": [{**tok(k), "logprob": _logprob(v)} for k, v in
                                                   sorted(lp.items(), key=lambda kv: -kv[1])[:body.top_logprobs or 0]]}
                                 for lp, t in zip(c.logprobs, c.token_ids)]}
 
@@ -381,13 +388,16 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 if c.finished:
                     finish[c.index] = c.finish_reason
             _observe(out)
-        choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                    "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
-                    if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
-        c = sum(len(v) for v in ids.values())
-        return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
-                "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
-                                              "total_tokens": prompt_len + c}}
+
+        def body_of_chat():
+            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
+                        "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
+                        if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
+            c = sum(len(v) for v in ids.values())
+            return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
+                    "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
+                                                  "total_tokens": prompt_len + c}}
+        return await engine.offload(body_of_chat)
 
     def _observe(out):
         """Per delta output: new tokens of every completion (all n); at the finish: prompt tokens, TTFT."""
@@ -398,3 +408,17 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 metrics.ttft.observe(out.metrics.time_to_first_token)
 
     return app
+
+
+MAX_PROMPTS = 64                    # prompts in one /v1/completions request
+_ROUTES = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"}
+
+
+def _path_label(path: str) -> str:
+    """Metrics label: known routes by name, anything else as "other" (bounded label set)."""
+    return path if path in _ROUTES else "other"
+
+
+def _logprob(v: float) -> float:
+    """JSON has no -inf: a token the sampler masked out reports -9999.0 (as vLLM)."""
+    return max(float(v), -9999.0) if v == v else -9999.0

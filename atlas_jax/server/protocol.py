@@ -1,24 +1,32 @@
-"""OpenAI request bodies (pydantic) and their mapping onto SamplingParams.
+"""OpenAI request bodies (pydantic, strict types) and their mapping onto SamplingParams.
 
-Ranges follow OpenAI's documentation (temperature [0, 2], top_p (0, 1], penalties [-2, 2],
-max_tokens >= 1); vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos) are accepted too.
-A violation is answered 400 in OpenAI's error format (app.py).
+Types are strict, as OpenAI's API is: "0.5" is not a number, true is not an integer. Ranges follow
+OpenAI's documentation (temperature [0, 2], top_p (0, 1], penalties [-2, 2], n <= 16); vLLM's
+extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are accepted too. The
+rest of the bounds (integer widths, stop list sizes, max_tokens against the context) are
+SamplingParams' and EngineCore's, so `LLM` users get the same errors. A violation is a 400 in
+OpenAI's error format naming the field (app.py). Unknown fields are ignored, as OpenAI and vLLM
+do; fields we accept but cannot honour are refused rather than silently dropped.
 """
 from __future__ import annotations
 
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from ..engine.errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
+
+STRICT = ConfigDict(extra="allow", strict=True)
 
 
 class StreamOptions(BaseModel):
+    model_config = STRICT
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -27,43 +35,76 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
-    seed: int | None = Field(None, ge=0, lt=2**32)
+    seed: int | None = None
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     user: str | None = None
     # vLLM extras
-    top_k: int = Field(-1, ge=-1)
+    top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        extra = self.model_extra or {}
+        if extra.get("logit_bias"):
+            raise ValueError("logit_bias is not supported by this server")
+        if extra.get("best_of") not in (None, 1, self.n):
+            raise ValueError("best_of is not supported by this server (use n)")
+        if extra.get("response_format") not in (None, {"type": "text"}):
+            raise ValueError("response_format other than {'type': 'text'} is not supported by this server")
+        return self
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """max_tokens None: as many as fit in max_model_len after the prompt."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            n=self.n, max_tokens=max_tokens or 16, temperature=self.temperature, top_p=self.top_p,
+            n=self.n, max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
             top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs, output_kind="delta")
+            include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens, output_kind="delta")
 
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _no_echo(self):
+        if self.echo:
+            raise ValueError("echo is not supported by this server")
+        if self.suffix:
+            raise ValueError("suffix is not supported by this server")
+        return self
+
+
+class ContentPart(BaseModel):
+    model_config = STRICT
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: Union[str, list[dict], None] = None
+    content: Union[str, list[ContentPart], None] = None
 
     def text(self) -> str:
-        if isinstance(self.content, list):     # [{"type": "text", "text": ...}, ...]
-            return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
-        return self.content or ""
+        if not isinstance(self.content, list):
+            return self.content or ""
+        for part in self.content:
+            if part.type != "text" or part.text is None:
+                raise InvalidRequestError(f"content part type {part.type!r} is not supported (text parts only)",
+                                          "messages")
+        return "".join(part.text for part in self.content)
 
 
 class ChatCompletionRequest(_Sampling):
@@ -72,3 +113,17 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+
+
+class TokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = STRICT
+    model: str | None = None
+    tokens: list[int]

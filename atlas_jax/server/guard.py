@@ -1,0 +1,161 @@
+"""What stands between the network and the routes: errors in OpenAI's shape, and `Guard`, a pure
+ASGI middleware.
+
+Guard, per HTTP request: the x-request-id header (echoed, or a fresh one), the API key on /v1/*,
+the body limit enforced while the body is read (Content-Length or chunked: reading stops at the
+limit with 413), 503 + Retry-After while the server drains, and a last-resort 500 in OpenAI's shape
+for any exception a route lets through — answered here, so the connection stays usable
+(Starlette's own 500 path re-raises to the server, which drops the keep-alive connection).
+
+`read_json(request, Model)` parses a body strictly: UTF-8, JSON without NaN / Infinity, then the
+pydantic model; every failure is a 400 naming what is wrong.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+
+log = logging.getLogger("atlas_jax.server")
+
+OFFLOAD_PARSE_BYTES = 1 << 16      # bodies above this are parsed on the worker pool, not the event loop
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code, self.headers = status, message, type_, param, code, headers
+
+
+class BodyTooLarge(HTTPException):
+    """Raised from `receive` while reading; an HTTPException so FastAPI's body reader re-raises it."""
+
+    def __init__(self, limit: int):
+        super().__init__(413, f"request body over {limit} bytes")
+
+
+class JSON(JSONResponse):
+    """JSON with non-ASCII escaped: text that is not valid Unicode (lone surrogates) still renders."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
+def error_body(message: str, type_: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def error_response(status: int, message: str, type_: str, param=None, code=None, headers=None) -> JSON:
+    return JSON(error_body(message, type_, param, code), status_code=status, headers=headers)
+
+
+def error_type(status: int) -> str:
+    return {401: "authentication_error", 404: "not_found_error", 503: "service_unavailable"}.get(
+        status, "internal_server_error" if status >= 500 else "invalid_request_error")
+
+
+class Guard:
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, is_draining, on_response):
+        """is_draining(): True while the server drains; on_response(path, status): metrics hook."""
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+        self.is_draining, self.on_response = is_draining, on_response
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or [])
+        rid = headers.get(b"x-request-id", b"").decode("latin-1")[:200] or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = rid
+        path = scope.get("path", "")
+        sent = {"status": None}
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                sent["status"] = message["status"]
+                message = {**message, "headers": list(message.get("headers", [])) + [(b"x-request-id", rid.encode("latin-1"))]}
+            await send(message)
+
+        refused = self._refusal(path, headers)
+        if refused is not None:
+            await refused(scope, receive, send_with_id)
+        else:
+            try:
+                await self.app(scope, self._limited(receive), send_with_id)
+            except Exception as e:                              # noqa: BLE001 — the last resort
+                log.exception("unhandled error on %s", path)
+                if sent["status"] is not None:
+                    raise                                       # mid-response: the server must close it
+                await error_response(500, f"internal error: {e!r}", "internal_server_error")(scope, receive, send_with_id)
+        self.on_response(path, sent["status"] or 500)
+
+    def _refusal(self, path: str, headers: dict):
+        if path.startswith("/v1/") and self.api_key is not None:
+            if headers.get(b"authorization", b"") != f"Bearer {self.api_key}".encode("latin-1", "replace"):
+                return error_response(401, "invalid API key", "authentication_error", code="invalid_api_key")
+        length = headers.get(b"content-length", b"0")
+        if not length.isdigit():
+            return error_response(400, "invalid Content-Length header", "invalid_request_error")
+        if int(length) > self.max_body_bytes:
+            return error_response(413, f"request body over {self.max_body_bytes} bytes", "invalid_request_error")
+        if self.is_draining() and (path.startswith("/v1/") and path != "/v1/models" or path in ("/tokenize", "/detokenize")):
+            return error_response(503, "server is shutting down; retry on another replica or later",
+                                  "service_unavailable", headers={"Retry-After": "5"})
+        return None
+
+    def _limited(self, receive):
+        limit, seen = self.max_body_bytes, [0]
+
+        async def receive_limited():
+            message = await receive()
+            if message["type"] == "http.request":
+                seen[0] += len(message.get("body", b""))
+                if seen[0] > limit:
+                    raise BodyTooLarge(limit)
+            return message
+        return receive_limited
+
+
+def _reject_constant(name):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(body: bytes):
+    """bytes -> JSON value; APIError(400) for invalid UTF-8, malformed JSON, NaN / Infinity, depth."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {body[e.start]:#04x} at offset {e.start})") from None
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except json.JSONDecodeError as e:
+        raise APIError(400, f"malformed JSON body: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except (ValueError, RecursionError) as e:
+        raise APIError(400, f"malformed JSON body: {str(e)[:200] or type(e).__name__}") from None
+
+
+async def read_json(request, model: type[BaseModel], offload):
+    """The request body validated as `model` (strict pydantic); 400 naming the first bad field."""
+    body = await request.body()
+    if not body:
+        raise APIError(400, "request body is empty; send a JSON object")
+    obj = await offload(parse_json, body) if len(body) > OFFLOAD_PARSE_BYTES else parse_json(body)
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise validation_error(e) from None
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "json-or-python", "function-after", "union"}
+
+
+def validation_error(e: ValidationError) -> APIError:
+    err = e.errors(include_url=False)[0]
+    loc = [str(p) for p in err.get("loc", ()) if not (isinstance(p, str) and (p in _TYPE_TAGS or "[" in p or "(" in p))]
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value"))
+    return APIError(400, f"{param}: {msg}" if param else msg, param=loc[0] if loc else None)
