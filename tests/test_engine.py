@@ -122,7 +122,7 @@ def test_bad_input_is_refused_clearly(llm):
         llm.generate("", SamplingParams(max_tokens=2))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate([[1, 99999]], SamplingParams(max_tokens=2))
-    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-3), dict(seed=-1)):
+    for bad in (dict(max_tokens=0), dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=-3), dict(seed=2**64)):
         with pytest.raises(ValueError):
             SamplingParams(**bad)
     assert llm.blocks.num_free == llm.num_pages and llm.slots.num_free == llm.max_num_seqs

@@ -1,7 +1,8 @@
 """`python -m atlas_jax.serve` as a real process on a loopback port, driven with the official
 openai client and raw httpx: completions and chat (streaming and not), usage, stop strings, n,
 logprobs, greedy parity with LLM.generate, OpenAI-format errors, API key, request ids, a client
-that disconnects mid-stream, graceful shutdown."""
+that disconnects mid-stream, /health latency while a 10 MB body is refused, a hypothesis fuzz of
+both APIs, and the SIGTERM drain (last: it ends the server)."""
 import json
 import os
 import signal
@@ -17,6 +18,7 @@ import pytest
 from atlas_jax import SamplingParams
 
 KEY = "test-key"
+SHUTDOWN_TIMEOUT = 1.0
 
 
 def _free_port() -> int:
@@ -32,7 +34,7 @@ def server(default_llm):
     cmd = [sys.executable, "-m", "atlas_jax.serve", "--port", str(port), "--api-key", KEY, "--page-size", "8",
            "--max-num-seqs", "8", "--max-model-len", "128", "--max-prefill-chunk", "64",
            "--max-num-batched-tokens", "128", "--dtype", "float32", "--served-model-name", "tiny",
-           "--log-level", "warning"]
+           "--log-level", "warning", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -216,3 +218,108 @@ def test_timeout_and_engine_failure_in_process(default_llm):
         default_llm.engine.step = real_step
         engine.shutdown()
     assert default_llm.blocks.num_free == default_llm.num_pages and not default_llm.engine.requests
+
+
+UPLOAD = """
+import sys, httpx
+def chunks():
+    yield b'{"prompt": "'
+    for _ in range(160):
+        yield b"a b " * (1 << 14)
+    yield b'"}'
+r = httpx.post(sys.argv[1] + "/v1/completions", content=chunks(), timeout=60,
+               headers={"content-type": "application/json", "Authorization": "Bearer " + sys.argv[2]})
+print(r.status_code, r.json()["error"]["message"])
+"""
+
+
+def test_health_stays_fast_while_a_10mb_body_is_refused(server):
+    """A 10 MB chunked body (from another process) is refused with 413 while it is read; /health
+    answers in under 100 ms throughout."""
+    uploader = subprocess.Popen([sys.executable, "-c", UPLOAD, server[0], KEY], stdout=subprocess.PIPE, text=True)
+    latencies = []
+    with httpx.Client(base_url=server[0], timeout=10) as c:
+        while uploader.poll() is None:
+            t = time.perf_counter()
+            assert c.get("/health").status_code == 200
+            latencies.append(time.perf_counter() - t)
+            time.sleep(0.005)
+    out = uploader.stdout.read()
+    assert out.startswith("413") and "request body over" in out, out
+    assert len(latencies) >= 3 and max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+def test_fuzz_real_server(server):
+    """The hypothesis bodies of test_robustness against the server process: no 5xx; afterwards an
+    ordinary request is served, every KV page is free and nothing was compiled."""
+    from hypothesis import HealthCheck, given, settings
+
+    from test_robustness import bodies, fuzz_check
+    compiles = _metric(server, "atlas_num_compiles")
+    with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}",
+                                                   "content-type": "application/json"}, timeout=60) as c:
+        post = lambda path, raw: c.post(path, content=raw)
+
+        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(bodies)
+        def run(case):
+            fuzz_check(post, *case)
+        run()
+    assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
+    for _ in range(100):
+        if _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages"):
+            break
+        time.sleep(0.05)
+    assert _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages")
+    assert _metric(server, "atlas_running_requests") == 0 and _metric(server, "atlas_num_compiles") == compiles
+
+
+def _stream_end(r) -> str:
+    """How a stream ended: "finished" (a finish_reason, then [DONE]), "error" (an error event, then
+    [DONE]) or "cut" (anything else)."""
+    events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    if len(events) < 2 or events[-1] != "[DONE]":
+        return "cut"
+    last = json.loads(events[-2])
+    if "error" in last:
+        return "error"
+    return "finished" if any(c.get("finish_reason") for c in last.get("choices", [])) else "cut"
+
+
+def test_sigterm_drains(server):
+    """Last in this module: SIGTERM with streams in flight. New requests get 503 + Retry-After and
+    /health 503 during the drain; short streams finish; what is left when --shutdown-timeout runs out
+    ends with an error event and [DONE]; the process exits 0."""
+    import concurrent.futures
+    base, proc = server
+    headers = {"Authorization": f"Bearer {KEY}"}
+    client = httpx.Client(base_url=base, headers=headers, timeout=60,
+                          limits=httpx.Limits(max_connections=64, max_keepalive_connections=64))
+
+    def stream(max_tokens, opened):
+        body = {"prompt": "Hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True, "temperature": 0}
+        with client.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            opened.release()
+            return _stream_end(r)
+    opened = __import__("threading").Semaphore(0)
+    with concurrent.futures.ThreadPoolExecutor(48) as pool:
+        long = [pool.submit(stream, 120, opened) for _ in range(40)]           # ~5 waves of 8: outlast the timeout
+        for _ in long:
+            opened.acquire(timeout=60)
+        short = [pool.submit(stream, 2, opened) for _ in range(2)]
+        for _ in short:
+            opened.acquire(timeout=60)
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.2)
+        refused = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        health = client.get("/health")
+        ends = [f.result(timeout=60) for f in long + short]
+    assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
+    assert refused.json()["error"]["type"] == "service_unavailable"
+    assert health.status_code == 503 and "draining" in health.json()["error"]["message"]
+    assert "cut" not in ends, ends
+    assert ends[-2:] == ["finished", "finished"] and "error" in ends, ends
+    assert proc.wait(30) == 0
+    client.close()
