@@ -129,8 +129,9 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     return
                 if isinstance(item, BaseException):
                     done = True
-                    status, kind = (503, "service_unavailable") if isinstance(item, EngineDeadError) else (500, "internal_server_error")
-                    raise APIError(status, f"request failed: {item}", kind)
+                    if isinstance(item, EngineDeadError):
+                        raise APIError(503, f"request failed: {item}", "service_unavailable", headers={"Retry-After": "5"})
+                    raise APIError(500, f"request failed: {item}", "internal_server_error")
                 yield item
         finally:
             if not done:
