@@ -29,6 +29,8 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
     ("logprobs", 21), ("logprobs", True), ("stop", ["x"] * 100), ("stop", "x" * 10_000), ("stop", [""]), ("stop", [3]),
     ("stop_token_ids", [10**30]), ("stop_token_ids", [-1]), ("stop_token_ids", [1.5]), ("stop_token_ids", [True]),
     ("repetition_penalty", float("inf")), ("ignore_eos", 1), ("top_p", 0.0), ("min_p", 1.5),
+    ("logit_bias", {5: 101.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", {5: float("nan")}),
+    ("logit_bias", {i: 1.0 for i in range(129)}), ("logit_bias", [1, 2]),
 ])
 def test_sampling_params_refuse_out_of_bounds(field, value):
     with pytest.raises(InvalidRequestError) as e:
@@ -48,7 +50,8 @@ def test_make_request_bounds_against_the_model(default_llm):
     assert eng.make_request(prompt, SamplingParams(max_tokens=room)).seqs[0].max_len == eng.max_model_len
     assert eng.make_request(prompt, SamplingParams(max_tokens=None)).seqs[0].max_len == eng.max_model_len
     for params, param in [(SamplingParams(max_tokens=room + 1), "max_tokens"),
-                          (SamplingParams(stop_token_ids=[eng.cfg.vocab_size]), "stop_token_ids")]:
+                          (SamplingParams(stop_token_ids=[eng.cfg.vocab_size]), "stop_token_ids"),
+                          (SamplingParams(logit_bias={eng.cfg.vocab_size: 1.0}), "logit_bias")]:
         with pytest.raises(InvalidRequestError) as e:
             eng.make_request(prompt, params)
         assert e.value.param == param
@@ -178,7 +181,10 @@ def ok(client, path="/v1/completions"):
     ("/v1/completions", {"prompt": [1, True]}, "prompt"),
     ("/v1/completions", {"prompt": [[1], [10**30]]}, "prompt"),
     ("/v1/completions", {"prompt": "hi", "logprobs": 10**12}, "logprobs"),
-    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 100}}, None),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"x5": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 1000}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {str(i): 1 for i in range(129)}}, "logit_bias"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
     ("/tokenize", {"prompt": "x\udc00"}, "prompt"),
@@ -192,6 +198,12 @@ def test_client_errors_are_400_in_openai_format(live, path, body, param):
     raw = json.dumps(body)                      # \\udXXX escapes: lone surrogates, as a client sends them
     r = client.post(path, content=raw, headers={"content-type": "application/json"})
     assert_openai_error(r, 400, param)
+
+
+def test_logit_bias_over_http(live, default_llm):
+    client = live[0]
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "logit_bias": {"7": 100}, **GREEDY})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == default_llm.tokenizer.decode([7, 7, 7])
 
 
 def test_the_top_k_request_leaves_the_server_serving(live, default_llm):
@@ -346,27 +358,24 @@ def fuzz_check(post, path, body):
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
 
 
-def test_fuzz_in_process(default_llm):
-    """Hypothesis bodies against the app in-process (TestClient): no 5xx, OpenAI-format errors; after,
-    an ordinary request is served, every page and slot is free and nothing was compiled."""
+def test_fuzz_in_process(live, default_llm):
+    """Hypothesis bodies against the app in-process (TestClient, on the module's AsyncLLM: one engine
+    thread only): no 5xx, OpenAI-format errors; after, an ordinary request is served, every page and
+    slot is free and nothing was compiled."""
     from fastapi.testclient import TestClient
 
-    from atlas_jax.engine.async_llm import AsyncLLM
     from atlas_jax.server.app import build_app
-    engine = AsyncLLM.from_llm(default_llm)
+    engine = live[1]
     compiles = default_llm.num_compiles
-    try:
-        with TestClient(build_app(engine, served_model_name="tiny")) as c:
-            post = lambda path, raw: c.post(path, content=raw, headers={"content-type": "application/json"})
+    with TestClient(build_app(engine, served_model_name="tiny")) as c:
+        post = lambda path, raw: c.post(path, content=raw, headers={"content-type": "application/json"})
 
-            @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
-            @given(bodies)
-            def run(case):
-                fuzz_check(post, *case)
-            run()
-            ok(c)
-            assert idle(engine, default_llm)
-    finally:
-        engine.shutdown()
+        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(bodies)
+        def run(case):
+            fuzz_check(post, *case)
+        run()
+        ok(c)
+        assert idle(engine, default_llm)
     assert default_llm.num_compiles == compiles

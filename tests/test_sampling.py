@@ -108,3 +108,22 @@ def test_n_completions_and_metrics(llm):
     assert m.num_prompt_tokens == len(out.prompt_token_ids) and m.num_generated_tokens == 8
     assert 0 < m.time_to_first_token <= m.finished_time - m.arrival_time
     assert m.decode_tokens_per_s > 0
+
+
+def test_logit_bias(default_llm):
+    """+100 forces a token, -100 bans one (the first token is then the argmax of the prompt's last
+    logits without it, from the scoring path), and a biased row leaves its batch neighbours alone."""
+    llm = default_llm
+    prompts = random_prompts(llm.cfg.vocab_size, [9, 14], seed=21)
+    greedy = dict(max_tokens=6, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(**greedy))]
+    forced = llm.generate(prompts[0], SamplingParams(logit_bias={7: 100.0}, **greedy))[0].outputs[0].token_ids
+    assert forced == [7] * 6
+    last = llm.prompt_logits(prompts[0])[-1]
+    last[plain[0][0]] = -np.inf
+    banned = llm.generate(prompts[0], SamplingParams(logit_bias={plain[0][0]: -100.0}, **greedy))[0].outputs[0]
+    assert banned.token_ids[0] == int(np.argmax(last)) != plain[0][0]
+    mixed = llm.generate(prompts, [SamplingParams(logit_bias={7: 100.0}, **greedy), SamplingParams(**greedy)])
+    assert mixed[0].outputs[0].token_ids == [7] * 6 and mixed[1].outputs[0].token_ids == plain[1]
+    sampled = llm.generate(prompts[1], SamplingParams(max_tokens=5, temperature=1.0, seed=3, logit_bias={9: 100.0}))
+    assert sampled[0].outputs[0].token_ids == [9] * 5

@@ -139,6 +139,10 @@ class EngineCore:
         if bad:
             raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.cfg.vocab_size})", "stop_token_ids")
+        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
+        if bad:
+            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.cfg.vocab_size})", "logit_bias")
         max_len = len(ids) + (room if params.max_tokens is None else params.max_tokens)
         if self.blocks.pages_for(max_len) > self.num_pages:
             raise InvalidRequestError(f"request needs {self.blocks.pages_for(max_len)} KV pages of "

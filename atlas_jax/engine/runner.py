@@ -26,7 +26,7 @@ from ..kernels import XLA, Kernels
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_state
 from . import steps
-from .sampler import SamplingBatch, init_penalty_state
+from .sampler import MAX_LOGIT_BIAS, NO_BIAS, SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
 from .steps import EngineState
 
@@ -167,7 +167,16 @@ class ModelRunner:
             frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32),
             num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32),
             seed=col(lambda r: r.seed, np.uint32), step=col(lambda r: r.step, np.int32),
-            slot=col(lambda r: r.slot, np.int32))
+            slot=col(lambda r: r.slot, np.int32), **self._bias_columns(rows))
+
+    @staticmethod
+    def _bias_columns(rows) -> dict:
+        ids = np.full((len(rows), MAX_LOGIT_BIAS), NO_BIAS, np.int32)
+        bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
+        for i, r in enumerate(rows):
+            for j, (t, v) in enumerate(r.params.logit_bias):
+                ids[i, j], bias[i, j] = t, v
+        return {"bias_ids": jnp.asarray(ids), "bias": jnp.asarray(bias)}
 
     def _executable(self, kind: str, args):
         """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
@@ -353,7 +362,8 @@ class ModelRunner:
             b = sum(bb for bb, _ in shape)
             f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
             sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
-                                     jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b))
+                                     jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b),
+                                     i32(b, MAX_LOGIT_BIAS), jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.float32))
             args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
             if kind == "verify":
                 args += (i32(*shape[0]),)

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 128     # logit_bias entries per request: a [B, MAX_LOGIT_BIAS] sparse column per step
+NO_BIAS = 2**31 - 1      # bias_ids padding: out of any vocabulary, dropped by the scatter
 
 
 @jax.tree_util.register_dataclass
@@ -39,6 +41,8 @@ class SamplingBatch:
     seed: jax.Array                # [B] u32
     step: jax.Array                # [B] i32 tokens sampled so far by the row's request
     slot: jax.Array                # [B] i32 the row's penalty-history slot (num_slots for padding)
+    bias_ids: jax.Array            # [B, MAX_LOGIT_BIAS] i32 logit_bias token ids (NO_BIAS = none)
+    bias: jax.Array                # [B, MAX_LOGIT_BIAS] f32 added to those tokens' logits
 
 
 @jax.tree_util.register_dataclass
@@ -86,6 +90,11 @@ def _apply_penalties(logits, s: SamplingBatch, ps: PenaltyState):
             - s.presence_penalty[:, None] * (count > 0).astype(jnp.float32))
 
 
+def _apply_bias(logits, s: SamplingBatch):
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
+
+
 def _top_k_top_p_mask(scaled, top_k, top_p):
     """scaled [V] -> the same logits with tokens outside top-k / the top-p nucleus at -inf."""
     order = jnp.argsort(-scaled)
@@ -126,11 +135,14 @@ def _logprobs(logits, tokens, s: SamplingBatch):
 
 
 def sample(logits, s: SamplingBatch, ps: PenaltyState | None = None) -> SampleOut:
-    """logits [B, V] fp32 (raw model output) -> SampleOut. Logprobs are of the raw logits."""
+    """logits [B, V] fp32 (raw model output) -> SampleOut: penalties, then logit_bias, then the
+    token. Logprobs are of the raw logits."""
     raw = logits
     if ps is not None:
         penalised = jnp.any((s.repetition_penalty != 1.0) | (s.presence_penalty != 0.0) | (s.frequency_penalty != 0.0))
         logits = jax.lax.cond(penalised, _apply_penalties, lambda l, s, ps: l, logits, s, ps)
+    biased = jnp.any(s.bias_ids != NO_BIAS)
+    logits = jax.lax.cond(biased, _apply_bias, lambda l, s: l, logits, s)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, s: greedy, logits, s)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
@@ -166,8 +178,8 @@ def verify(logits, drafts, s: SamplingBatch):
     before this step; position t uses step + t, so the RNG stream follows accepted tokens only.
     Returns (target [B, K] i32, accept [B, K] bool): the host emits drafts while accepted and, at
     the first rejection (or after the last draft), target at that position. Greedy rows: target =
-    argmax, accept = (draft == argmax). Penalties are not applied (rows with penalties or logprobs
-    are given no drafts; their one token comes from `sample`)."""
+    argmax, accept = (draft == argmax). Penalties and logit_bias are not applied (rows with them or
+    with logprobs are given no drafts; their one token comes from `sample`)."""
     b, k, v = logits.shape
     flat = logits.reshape(b * k, v)
     rep = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), s)

@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from .errors import InvalidRequestError
-from .sampler import MAX_LOGPROBS
+from .sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 INT32_MAX = 2**31 - 1
@@ -50,6 +50,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None         # None = off; n >= 0: the sampled token's logprob + top n
+    logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"     # what AsyncLLM streams: cumulative, delta, final_only
 
@@ -100,6 +101,15 @@ class SamplingParams:
                 and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
             bad("stop_token_ids", f"a list of up to {MAX_STOP_TOKEN_IDS} non-negative token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((t, v) for t, v in bias))
+        except (TypeError, ValueError):
+            bad("logit_bias", "a {token id: bias} mapping")
+        if not (len(bias) <= MAX_LOGIT_BIAS and all(_is_int(t) and 0 <= t <= INT32_MAX and _finite(v)
+                                                    and -100.0 <= v <= 100.0 for t, v in bias)):
+            bad("logit_bias", f"up to {MAX_LOGIT_BIAS} entries {{token id: bias in [-100, 100]}}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
 
     @property
     def penalised(self) -> bool:

@@ -73,10 +73,10 @@ class SpeculativeConfig:
 
 
 def wants_drafts(seq: Sequence) -> bool:
-    """Rows whose token needs penalties or logprobs are decoded plainly (sampler.verify applies neither)."""
+    """Rows whose token needs penalties, logit_bias or logprobs are decoded plainly (sampler.verify
+    applies none of them)."""
     p = seq.params
-    return (p.logprobs is None and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-            and p.frequency_penalty == 0.0)
+    return p.logprobs is None and not p.penalised and not p.logit_bias
 
 
 class Proposer:

@@ -47,12 +47,11 @@ class _Sampling(BaseModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    logit_bias: dict[str, float] | None = None      # {"token id": bias in [-100, 100]}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         extra = self.model_extra or {}
-        if extra.get("logit_bias"):
-            raise ValueError("logit_bias is not supported by this server")
         if extra.get("best_of") not in (None, 1, self.n):
             raise ValueError("best_of is not supported by this server (use n)")
         if extra.get("response_format") not in (None, {"type": "text"}):
@@ -68,7 +67,15 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, output_kind="delta")
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(), output_kind="delta")
+
+    def _logit_bias(self) -> dict[int, float]:
+        out = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit() and len(key) <= 10):
+                raise InvalidRequestError(f"logit_bias keys are token ids, got {key[:20]!r}", "logit_bias")
+            out[int(key)] = bias
+        return out
 
 
 class CompletionRequest(_Sampling):
