@@ -3,7 +3,6 @@ API), step containment (a request whose own inputs break a step fails alone), no
 errors, a usable connection after a 500, the body limit while reading, a responsive event loop, and a
 hypothesis fuzz of both APIs. The HTTP tests run uvicorn in a thread on the shared engine (real
 sockets, no extra compiles)."""
-import asyncio
 import http.client
 import json
 import threading
