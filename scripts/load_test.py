@@ -160,6 +160,17 @@ def wait_idle(url, timeout=30.0) -> dict:
         time.sleep(0.1)
 
 
+def stream_end(events: list[str]) -> str:
+    """How a stream ended, from its `data: ` payloads: "finished" (a finish_reason, then [DONE]),
+    "error" (an error event, then [DONE]) or "cut" (anything else)."""
+    if len(events) < 2 or events[-1] != "[DONE]":
+        return "cut"
+    last = json.loads(events[-2])
+    if "error" in last:
+        return "error"
+    return "finished" if any(c.get("finish_reason") for c in last.get("choices", [])) else "cut"
+
+
 async def sigterm_with_streams(url, key, proc, n_streams):
     """Open n streams, SIGTERM the server once they run, and report how each ended."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -183,12 +194,7 @@ async def sigterm_with_streams(url, key, proc, n_streams):
                                 started.set()
         except httpx.HTTPError as e:
             return f"cut ({type(e).__name__})"
-        if len(events) < 2 or events[-1] != "[DONE]":
-            return "cut"
-        last = json.loads(events[-2])
-        if "error" in last:
-            return "error"
-        return "finished" if any(c.get("finish_reason") for c in last.get("choices", [])) else "cut"
+        return stream_end(events)
 
     async with httpx.AsyncClient(timeout=300, headers=headers,
                                  limits=httpx.Limits(max_connections=n_streams + 8)) as http:

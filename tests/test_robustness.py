@@ -347,6 +347,16 @@ bodies = st.one_of(st.tuples(st.just("/v1/completions"), completion_bodies),
                        st.lists(st.integers(-2**40, 2**40), max_size=5), _extreme)})))
 
 
+def fuzz(post, max_examples: int) -> None:
+    """post(path, raw body) -> response, for `max_examples` hypothesis bodies (fixed seed)."""
+    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(bodies)
+    def run(case):
+        fuzz_check(post, *case)
+    run()
+
+
 def fuzz_check(post, path, body):
     raw = json.dumps(body, allow_nan=True).encode()
     r = post(path, raw)
@@ -367,14 +377,7 @@ def test_fuzz_in_process(live, default_llm):
     engine = live[1]
     compiles = default_llm.num_compiles
     with TestClient(build_app(engine, served_model_name="tiny")) as c:
-        post = lambda path, raw: c.post(path, content=raw, headers={"content-type": "application/json"})
-
-        @settings(max_examples=150, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(bodies)
-        def run(case):
-            fuzz_check(post, *case)
-        run()
+        fuzz(lambda path, raw: c.post(path, content=raw, headers={"content-type": "application/json"}), 150)
         ok(c)
         assert idle(engine, default_llm)
     assert default_llm.num_compiles == compiles

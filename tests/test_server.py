@@ -17,6 +17,9 @@ import pytest
 
 from atlas_jax import SamplingParams
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+from load_test import stream_end  # noqa: E402  (the load test's own classification of stream endings)
+
 KEY = "test-key"
 SHUTDOWN_TIMEOUT = 3.0
 
@@ -258,38 +261,20 @@ def test_health_stays_fast_while_a_10mb_body_is_refused(server):
 def test_fuzz_real_server(server):
     """The hypothesis bodies of test_robustness against the server process: no 5xx; afterwards an
     ordinary request is served, every KV page is free and nothing was compiled."""
-    from hypothesis import HealthCheck, given, settings
-
-    from test_robustness import bodies, fuzz_check
+    from test_robustness import fuzz
     compiles = _metric(server, "atlas_num_compiles")
     with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}",
                                                    "content-type": "application/json"}, timeout=60) as c:
-        send = lambda path, raw: c.post(path, content=raw)
-
-        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
-                  suppress_health_check=list(HealthCheck))
-        @given(bodies)
-        def run(case):
-            fuzz_check(send, *case)
-        run()
+        fuzz(lambda path, raw: c.post(path, content=raw), max_examples=60)
     assert post(server, "/v1/completions", {"prompt": "ok", "max_tokens": 2}).status_code == 200
     for _ in range(100):
         if _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages"):
             break
         time.sleep(0.05)
     assert _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages")
+    assert _metric(server, "atlas_free_state_slots") == _metric(server, "atlas_state_slots")
     assert _metric(server, "atlas_running_requests") == 0 and _metric(server, "atlas_num_compiles") == compiles
-
-
-def _stream_end(events: list[str]) -> str:
-    """How a stream ended, from its `data: ` payloads: "finished" (a finish_reason, then [DONE]),
-    "error" (an error event, then [DONE]) or "cut" (anything else)."""
-    if len(events) < 2 or events[-1] != "[DONE]":
-        return "cut"
-    last = json.loads(events[-2])
-    if "error" in last:
-        return "error"
-    return "finished" if any(c.get("finish_reason") for c in last.get("choices", [])) else "cut"
+    assert _metric(server, "atlas_failed_requests") == 0
 
 
 def test_sigterm_drains(server):
@@ -313,7 +298,7 @@ def test_sigterm_drains(server):
                     if r.status_code != 200:
                         ok = r.status_code == 503 and r.headers.get("retry-after")
                         return "503" if ok else f"status {r.status_code}"
-                    return _stream_end([line[6:] async for line in r.aiter_lines() if line.startswith("data: ")])
+                    return stream_end([line[6:] async for line in r.aiter_lines() if line.startswith("data: ")])
             tasks = [asyncio.create_task(stream()) for _ in range(128)]
             for _ in range(1000):                 # every request is in the engine before the signal
                 running, waiting = await metric("atlas_running_requests"), await metric("atlas_waiting_requests")

@@ -190,8 +190,8 @@ class AsyncLLM:
             req = cmd[1]
             try:
                 self.engine.submit(req)
-            except ValueError as e:
-                self._push(req.request_id, e)
+            except Exception as e:           # noqa: BLE001 — refuse this request, keep the loop
+                self._push(req.request_id, e if isinstance(e, ValueError) else RequestFailedError(repr(e)))
         elif cmd[0] == "abort":
             req = self.engine.abort(cmd[1], reason=cmd[2])
             if req is not None:

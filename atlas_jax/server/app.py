@@ -44,8 +44,11 @@ class Metrics:
         gauge("atlas_waiting_requests", "Sequences waiting", "waiting")
         gauge("atlas_swapped_requests", "Sequences swapped to host", "swapped")
         gauge("atlas_free_kv_pages", "Free KV pages", "free_pages")
+        gauge("atlas_free_state_slots", "Free recurrent-state slots", "free_slots")
+        gauge("atlas_failed_requests", "Requests the engine failed alone (step containment)", "num_failed_requests")
         gauge("atlas_num_compiles", "Compiled executables (constant after warm-up)", "num_compiles")
         Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.engine.num_pages)
+        Gauge("atlas_state_slots", "Recurrent-state slots", registry=r).set(engine.engine.slots.capacity)
         Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
             lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
         if engine.engine.speculative is not None:
