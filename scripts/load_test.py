@@ -172,10 +172,9 @@ def stream_end(events: list[str]) -> str:
 
 
 async def sigterm_with_streams(url, key, proc, n_streams):
-    """Open n streams, SIGTERM the server once they run, and report how each ended."""
+    """Open n streams, SIGTERM the server once all of them are in its engine (running or waiting),
+    and report how each ended."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
-    started = asyncio.Event()
-    opened = [0]
 
     async def one(http):
         # no max_tokens: as many as fit in max_model_len, to outlast a short --shutdown-timeout
@@ -184,14 +183,7 @@ async def sigterm_with_streams(url, key, proc, n_streams):
             async with http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
                 if r.status_code != 200:
                     return f"status {r.status_code}"
-                events = []
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(line[6:])
-                        if len(events) == 1:
-                            opened[0] += 1
-                            if opened[0] == n_streams:
-                                started.set()
+                events = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
         except httpx.HTTPError as e:
             return f"cut ({type(e).__name__})"
         return stream_end(events)
@@ -199,10 +191,11 @@ async def sigterm_with_streams(url, key, proc, n_streams):
     async with httpx.AsyncClient(timeout=300, headers=headers,
                                  limits=httpx.Limits(max_connections=n_streams + 8)) as http:
         tasks = [asyncio.create_task(one(http)) for _ in range(n_streams)]
-        try:
-            await asyncio.wait_for(started.wait(), 120)
-        except asyncio.TimeoutError:
-            pass
+        for _ in range(1200):
+            m = await asyncio.to_thread(server_metrics, url)
+            if m["atlas_running_requests"] + m["atlas_waiting_requests"] >= n_streams:
+                break
+            await asyncio.sleep(0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         await asyncio.sleep(0.3)
@@ -212,7 +205,8 @@ async def sigterm_with_streams(url, key, proc, n_streams):
     counts = {}
     for e in ends:
         counts[e] = counts.get(e, 0) + 1
-    return {"in_flight": n_streams, "running_at_signal": opened[0], "ended": counts,
+    return {"in_flight": n_streams, "running_at_signal": m["atlas_running_requests"],
+            "waiting_at_signal": m["atlas_waiting_requests"], "ended": counts,
             "new_request_status_while_draining": refused.status_code, "exit_code": code,
             "exit_s": round(time.monotonic() - t0, 2)}
 
