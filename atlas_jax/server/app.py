@@ -230,7 +230,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         body = await read_json(request, TokenizeRequest, engine.offload)
         need_tokenizer()
         if body.messages is not None:
-            text = await engine.offload(render_chat, body.messages, body.add_generation_prompt)
+            text = await engine.offload(render_chat, body)
         elif body.prompt is not None:
             text = body.prompt
         else:
@@ -244,10 +244,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         need_tokenizer()
         return {"prompt": await engine.offload(tokenizer.decode_checked, body.tokens, vocab_size)}
 
-    def render_chat(messages, add_generation_prompt):
-        for i, m in enumerate(messages):
+    def render_chat(body):
+        for i, m in enumerate(body.messages):
             check_unicode(m.text(), f"messages.{i}.content")
-        return template.render([{"role": m.role, "content": m.text()} for m in messages], add_generation_prompt)
+        inputs = body.template_inputs()
+        return template.render(inputs.pop("messages"), **inputs)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -332,7 +333,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         check_capacity()
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
-        prompt = await engine.offload(render_chat, body.messages, body.add_generation_prompt)
+        prompt = await engine.offload(render_chat, body)
         rid = f"chatcmpl-{request.state.request_id}"
         created = int(time.time())
         items = await started([prompt], params, rid)

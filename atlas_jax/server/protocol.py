@@ -114,20 +114,46 @@ class ChatMessage(BaseModel):
         return "".join(part.text for part in self.content)
 
 
-class ChatCompletionRequest(_Sampling):
+class _Chat(BaseModel):
+    """What the chat template sees besides the messages (transformers' apply_chat_template arguments)."""
+    model_config = STRICT
     messages: list[ChatMessage] = Field(..., min_length=1)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict] | None = None
+    documents: list[dict] | None = None
+    chat_template_kwargs: dict | None = None
+
+    def template_inputs(self) -> dict:
+        """ChatTemplate.render's arguments: messages as sent (text parts joined), tools, documents, kwargs."""
+        if self.continue_final_message and self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+            raise InvalidRequestError("continue_final_message and add_generation_prompt cannot both be true",
+                                      "continue_final_message")
+        messages = []
+        for m in self.messages:
+            d = m.model_dump(exclude_unset=True)
+            if isinstance(m.content, list):
+                d["content"] = m.text()
+            messages.append(d)
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs cannot set {sorted(reserved)}", "chat_template_kwargs")
+        return dict(messages=messages, add_generation_prompt=self.add_generation_prompt and not self.continue_final_message,
+                    tools=self.tools, documents=self.documents, continue_final_message=self.continue_final_message,
+                    **(self.chat_template_kwargs or {}))
+
+
+class ChatCompletionRequest(_Chat, _Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    add_generation_prompt: bool = True
 
 
-class TokenizeRequest(BaseModel):
-    model_config = STRICT
+class TokenizeRequest(_Chat):
+    """{"prompt": text} or the chat fields ({"messages": [...], "tools": ..., "chat_template_kwargs": ...})."""
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
 
 
 class DetokenizeRequest(BaseModel):
