@@ -381,3 +381,29 @@ def test_fuzz_in_process(live, default_llm):
         ok(c)
         assert idle(engine, default_llm)
     assert default_llm.num_compiles == compiles
+
+
+def test_non_streaming_request_is_aborted_when_its_client_leaves(live, default_llm, monkeypatch):
+    client, engine, _ = live
+    aborted = []
+    real = engine.abort_nowait
+    monkeypatch.setattr(engine, "abort_nowait", lambda rid, reason="abort": (aborted.append(rid), real(rid, reason)))
+    with pytest.raises(httpx.ReadTimeout):
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 120, "n": 16, **GREEDY}, timeout=0.5)
+    assert idle(engine, default_llm, timeout=10)
+    assert any(rid.startswith("cmpl-") for rid in aborted), aborted          # aborted, not run to the end
+    ok(client)
+
+
+def test_a_repeated_x_request_id_does_not_collide(live):
+    """The client's x-request-id is echoed, never used as the engine's id: two requests with the same
+    trace id run side by side."""
+    client = live[0]
+    body = {"prompt": "def f(x):", "max_tokens": 20, "stream": True, **GREEDY}
+    headers = {"x-request-id": "same-trace"}
+    with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=60) as other:
+        first = other.send(other.build_request("POST", "/v1/completions", json=body, headers=headers), stream=True)
+        second = client.post("/v1/completions", json={**body, "stream": False}, headers=headers)
+        assert second.status_code == 200 and second.headers["x-request-id"] == "same-trace", second.text
+        assert first.status_code == 200 and [line for line in first.iter_lines() if line][-1] == "data: [DONE]"
+        first.close()

@@ -11,6 +11,7 @@ import asyncio
 import json
 import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -183,6 +184,30 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 yield item
         return items()
 
+    async def until_disconnect(request, items):
+        """`items` for a non-streaming response, ended early when the client goes away (closing it
+        aborts the requests): nobody is left to read the answer."""
+        it = items.__aiter__()
+        checked = time.monotonic()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)      # its generator unwinds: aborts
+                        await it.aclose()
+                        raise APIError(499, "client disconnected", "client_closed_request")
+                if done:
+                    break
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+
     def sse(obj) -> str:
         return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
 
@@ -263,7 +288,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if len(prompts) > MAX_PROMPTS:
             raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
-        rid = f"cmpl-{request.state.request_id}"
+        rid = f"cmpl-{uuid.uuid4().hex}"             # x-request-id stays a header: clients may repeat it
         created, n = int(time.time()), body.n
         items = await started(prompts, params, rid)
 
@@ -301,7 +326,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, stop_reason, prompt_len = {}, {}, {}, {}, {}, {}
-        async for i, out in items:
+        async for i, out in until_disconnect(request, items):
             prompt_len[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 k = i * n + c.index
@@ -334,7 +359,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
         prompt = await engine.offload(render_chat, body)
-        rid = f"chatcmpl-{request.state.request_id}"
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         items = await started([prompt], params, rid)
 
@@ -383,7 +408,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
         texts, ids, lps, finish, prompt_len = {}, {}, {}, {}, 0
-        async for _, out in items:
+        async for _, out in until_disconnect(request, items):
             prompt_len = len(out.prompt_token_ids)
             for c in out.outputs:
                 texts[c.index] = texts.get(c.index, "") + c.text
@@ -416,6 +441,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 
 
 MAX_PROMPTS = 64                    # prompts in one /v1/completions request
+DISCONNECT_POLL_S = 0.25            # how often a non-streaming request checks that its client is still there
 _ROUTES = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"}
 
 
