@@ -236,6 +236,10 @@ class AsyncLLM:
             req = self.engine.abort(rid)
             if req is not None:
                 self._emit(req)
+        with self._lock:
+            unsubmitted = list(self._streams)           # "add" commands never handled: their callers wait
+        for rid in unsubmitted:
+            self._push(rid, EngineDeadError("engine is shutting down"))
 
 
 FINISHED = _Finished     # the end-of-stream sentinel on a request's queue (for callers of add_request)
