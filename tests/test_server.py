@@ -169,16 +169,23 @@ def _metric(server, name):
 
 
 def test_disconnect_mid_stream_frees_pages(server):
+    """Leaving after two chunks aborts the request on the engine (counted) and frees its pages."""
+    aborted = _metric(server, "atlas_aborted_requests")
     body = {"prompt": "Hello", "max_tokens": 120, "stream": True, "ignore_eos": True, "temperature": 0}
+    got = []
     with httpx.stream("POST", server[0] + "/v1/completions", json=body, timeout=60,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
-        lines = r.iter_lines()
-        got = [json.loads(line[6:]) for line in lines if line.startswith("data: {")][:0] or []
-        for line in lines:
+        for line in r.iter_lines():
             if line.startswith("data: {"):
-                got.append(line)
+                got.append(json.loads(line[6:]))
             if len(got) >= 2:
-                break
+                break                              # leaving the `with` closes the connection mid-stream
+    assert all(c["choices"][0]["finish_reason"] is None for c in got)
+    for _ in range(100):
+        if _metric(server, "atlas_aborted_requests") > aborted:
+            break
+        time.sleep(0.05)
+    assert _metric(server, "atlas_aborted_requests") == aborted + 1
     for _ in range(100):
         if _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages") \
                 and _metric(server, "atlas_running_requests") == 0:

@@ -101,6 +101,7 @@ class EngineCore:
         self._ids = itertools.count()
         self.num_steps = 0
         self.num_failed_requests = 0                 # failed alone by step containment
+        self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -175,6 +176,7 @@ class EngineCore:
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
         req = self.requests.pop(str(request_id), None)
         if req is not None:
+            self.num_aborted[reason] = self.num_aborted.get(reason, 0) + 1
             for s in req.seqs:
                 s.finish(reason, error=error)
                 self.scheduler.remove(s)
@@ -359,7 +361,7 @@ class EngineCore:
                 "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
                 "num_compiles": self.num_compiles, "num_steps": self.num_steps,
-                "num_failed_requests": self.num_failed_requests}
+                "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted)}
 
     def warmup(self, progress: bool = True) -> int:
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress)

@@ -50,6 +50,8 @@ class Metrics:
         gauge("atlas_num_compiles", "Compiled executables (constant after warm-up)", "num_compiles")
         Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.engine.num_pages)
         Gauge("atlas_state_slots", "Recurrent-state slots", registry=r).set(engine.engine.slots.capacity)
+        Gauge("atlas_aborted_requests", "Requests ended before their finish (client gone: abort)", registry=r
+              ).set_function(lambda: engine.engine.stats()["num_aborted"].get("abort", 0))
         Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
             lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
         if engine.engine.speculative is not None:
