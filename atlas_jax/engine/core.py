@@ -112,11 +112,14 @@ class EngineCore:
         if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(_is_int(t) for t in prompt):
             raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
         ids = [int(t) for t in prompt]
+        self._check_vocab(ids, "prompt")
+        return None, ids
+
+    def _check_vocab(self, ids, param: str) -> None:
         bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
         if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {self.cfg.vocab_size})",
-                                      "prompt")
-        return None, ids
+            raise InvalidRequestError(f"{param} token ids {bad[:5]} are outside the vocabulary "
+                                      f"[0, {self.cfg.vocab_size})", param)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError when it can never run.
@@ -136,14 +139,8 @@ class EngineCore:
                 f"max_tokens is too large: this model's maximum context length is {self.max_model_len} tokens and "
                 f"the prompt has {len(ids)}, so at most {room} new tokens fit; {params.max_tokens} were asked for",
                 "max_tokens")
-        bad = [t for t in params.stop_token_ids if t >= self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.cfg.vocab_size})", "stop_token_ids")
-        bad = [t for t, _ in params.logit_bias if t >= self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"logit_bias token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.cfg.vocab_size})", "logit_bias")
+        self._check_vocab(params.stop_token_ids, "stop_token_ids")
+        self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
         max_len = len(ids) + (room if params.max_tokens is None else params.max_tokens)
         if self.blocks.pages_for(max_len) > self.num_pages:
             raise InvalidRequestError(f"request needs {self.blocks.pages_for(max_len)} KV pages of "
