@@ -1,4 +1,5 @@
-"""Gated DeltaNet kernels as portable `pallas_call`s: the recurrent / verify step and chunked prefill.
+"""Gated DeltaNet kernels as `pallas_call`s lowered through Triton on GPU (interpreted on CPU):
+the recurrent / verify step and chunked prefill.
 
 State layout shared by both (and by speculative rollback): a pool `h [S, R, Hv, Dk, Dv]` fp32, R
 state positions per slot. A row reads its initial state at (slot, read_idx) — zeros when `fresh` —
@@ -9,8 +10,15 @@ position j is "read index j next step", with no copy.
 
 Per token (value head h, key head h // r, q already l2-normed and scaled, k l2-normed):
     S = S * exp(g);  S = S + k (beta (v - S^T k))^T;  o = S^T q
-Value columns of S are independent, so programs split Dv into blocks (grid row x head x v-block),
-which keeps a program's state small and gives a batch-1 decode enough programs.
+Value columns of S are independent, so programs split Dv into blocks (grid row x head x v-block):
+a program's state stays small and a batch-1 decode still has enough programs. Matrix-vector
+products are broadcasts + reductions (Triton has no dot below 16 rows).
+
+Chunked prefill (WY form, CHUNK tokens) runs in two kernels: `_wy_kernel`, one program per
+(chunk, value head), all chunks in parallel, solves the chunk's unit-lower-triangular system once
+(forward substitution: bounded for nearly parallel keys, where a power series overflows) and
+leaves u = T (beta v) and w = T (beta k exp(gc)); `_chunked_kernel` then carries the state across
+a sequence's chunks per (row, value head, Dv block).
 
 A padding row (q_len 0 or slot >= S) writes nothing and returns zeros.
 """
@@ -22,16 +30,25 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.common import GPU_PARAMS, pow2, whole
+
 CHUNK = 64
+TARGET_PROGRAMS = 264          # ~2 waves of an H100/H200's 132 SMs
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _block_v(dv: int) -> int:
-    return 64 if dv % 64 == 0 and dv > 64 else dv
+def supported(dk: int, dv: int) -> bool:
+    """Head dims the compiled kernels take (powers of two a dot can use); others run on XLA."""
+    return dk == pow2(dk) >= 16 and dv == pow2(dv) >= 16
 
 
-def _whole(shape):
-    return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+def block_v(batch: int, heads: int, dv: int) -> int:
+    """Dv columns per program: <= 64 (registers), halved down to 16 while the grid is under
+    TARGET_PROGRAMS programs."""
+    bv = min(dv, 64)
+    while bv > 16 and dv % (bv // 2) == 0 and batch * heads * (dv // bv) < TARGET_PROGRAMS:
+        bv //= 2
+    return bv if dv % bv == 0 else dv
 
 
 def _dot(a, b):
@@ -61,16 +78,17 @@ def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_re
     s0 = jnp.where(live & (fresh == 0), s0, 0.0)
 
     def token(t, s):
-        k = k_ref[0, t, 0, :][None, :]                                   # [1, Dk]
-        q = q_ref[0, t, 0, :][None, :]
+        k = k_ref[0, t, 0, :][:, None]                                   # [Dk, 1]
+        q = q_ref[0, t, 0, :][:, None]
         v = v_ref[0, t, 0, :][None, :]                                   # [1, BV]
         on = t < q_len
         g = jnp.where(on, g_ref[0, t, 0], 0.0)
         beta = jnp.where(on, beta_ref[0, t, 0], 0.0)
         s = s * jnp.exp(g)
-        delta = (v - _dot(k, s)) * beta                                  # [1, BV]
-        s = s + _tdot(k, delta)                                          # k^T delta: [Dk, BV]
-        o_ref[0, t, 0, :] = jnp.where(on, _dot(q, s)[0], 0.0).astype(o_ref.dtype)
+        delta = (v - jnp.sum(k * s, axis=0, keepdims=True)) * beta       # [1, BV]
+        s = s + k * delta                                                # outer product k delta^T
+        o = jnp.sum(q * s, axis=0, keepdims=True)
+        o_ref[0, t, 0, :] = jnp.where(on, o, 0.0)[0].astype(o_ref.dtype)
 
         @pl.when(live & on & ((t < positions - 1) | (t == q_len - 1)))
         def _():
@@ -83,49 +101,84 @@ def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_re
 @functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("h_pool",))
 def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, *, interpret: bool = False):
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv] (fp32); h_pool [S, R, Hv, Dk, Dv];
-    slot, read_idx, q_len [B] int32; fresh [B] bool. Returns (o [B, T, Hv, Dv] fp32, h_pool)."""
+    slot, read_idx, q_len [B] int32; fresh [B] bool. Returns (o [B, T, Hv, Dv] fp32, h_pool).
+    T is padded to a power of two inside (padded tokens are beyond q_len)."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
+    if not interpret and not supported(dk, dv):
+        raise ValueError(f"compiled GDN needs power-of-two head dims >= 16, got Dk {dk}, Dv {dv}")
     r = hv // hk
-    bv = _block_v(dv)
+    bv = block_v(b, hv, dv)
+    tp = pow2(t)
+    pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
     meta = jnp.stack([slot, read_idx, q_len, fresh.astype(jnp.int32)], axis=1)
-    return pl.pallas_call(
+    o, h_pool = pl.pallas_call(
         functools.partial(_recurrent_kernel, block_v=bv),
         grid=(b, hv, dv // bv),
-        in_specs=[_whole(meta.shape),
-                  pl.BlockSpec((1, t, 1, dk), lambda i, h, j: (i, 0, h // r, 0)),
-                  pl.BlockSpec((1, t, 1, dk), lambda i, h, j: (i, 0, h // r, 0)),
-                  pl.BlockSpec((1, t, 1, bv), lambda i, h, j: (i, 0, h, j)),
-                  pl.BlockSpec((1, t, 1), lambda i, h, j: (i, 0, h)),
-                  pl.BlockSpec((1, t, 1), lambda i, h, j: (i, 0, h)),
-                  _whole(h_pool.shape)],
-        out_specs=[pl.BlockSpec((1, t, 1, bv), lambda i, h, j: (i, 0, h, j)), _whole(h_pool.shape)],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
+        in_specs=[whole(meta.shape),
+                  pl.BlockSpec((1, tp, 1, dk), lambda i, h, j: (i, 0, h // r, 0)),
+                  pl.BlockSpec((1, tp, 1, dk), lambda i, h, j: (i, 0, h // r, 0)),
+                  pl.BlockSpec((1, tp, 1, bv), lambda i, h, j: (i, 0, h, j)),
+                  pl.BlockSpec((1, tp, 1), lambda i, h, j: (i, 0, h)),
+                  pl.BlockSpec((1, tp, 1), lambda i, h, j: (i, 0, h)),
+                  whole(h_pool.shape)],
+        out_specs=[pl.BlockSpec((1, tp, 1, bv), lambda i, h, j: (i, 0, h, j)), whole(h_pool.shape)],
+        out_shape=[jax.ShapeDtypeStruct((b, tp, hv, dv), jnp.float32),
+                   jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
         input_output_aliases={6: 1},
-        interpret=interpret,
-    )(meta, q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
-      g.astype(jnp.float32), beta.astype(jnp.float32), h_pool)
+        compiler_params=GPU_PARAMS, interpret=interpret,
+    )(meta, *(pad(x) for x in (q, k, v, g, beta)), h_pool)
+    return o[:, :t], h_pool
 
 
 # ---------------------------------------------------------------------------------------------
 # Chunked prefill: the WY form, CHUNK tokens at a time, sequences packed on one token axis.
 
-def _unit_lower_inverse(a, c: int):
-    """(I + a)^-1 for strictly lower-triangular a [C, C]: a is nilpotent, so the inverse is
-    sum_k (-a)^k = (I - a)(I + a^2)(I + a^4)... — log2(C) squarings, all matmuls."""
-    eye = (jax.lax.broadcasted_iota(jnp.int32, (c, c), 0) == jax.lax.broadcasted_iota(jnp.int32, (c, c), 1))
-    eye = eye.astype(jnp.float32)
-    inv = eye - a
-    p = a
-    span = 2
-    while span < c:
-        p = _dot(p, p)
-        inv = _dot(inv, eye + p)
-        span *= 2
-    return inv
+def _masks(c):
+    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+    return row, col
 
 
-def _chunked_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_ref, h_out, *, block_v, ratio):
+def _cumulative(g, row, col):
+    """g [C] per-token log decay -> (gc as a column [C, 1], gc as a row [1, C], total decay scalar)."""
+    gc_col = jnp.sum(jnp.where(row >= col, g[None, :], 0.0), axis=1, keepdims=True)
+    gc_row = jnp.sum(jnp.where(row <= col, g[:, None], 0.0), axis=0, keepdims=True)
+    return gc_col, gc_row, jnp.sum(g)
+
+
+def unit_lower_inverse(a):
+    """(I + a)^-1 for strictly lower-triangular a [C, C], by forward substitution row by row:
+    row i = e_i - a[i, :] @ inv (rows < i final). Entries stay bounded for nearly parallel keys."""
+    c = a.shape[0]
+    row, col = _masks(c)
+    rid = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)
+    cid = jax.lax.broadcasted_iota(jnp.int32, (1, c), 1)
+
+    def solve_row(i, inv):
+        a_i = jnp.sum(jnp.where(row == i, a, 0.0), axis=0)[:, None]           # a[i, :] as a column [C, 1]
+        new = jnp.where(cid == i, 1.0, 0.0) - jnp.sum(a_i * inv, axis=0, keepdims=True)   # [1, C]
+        return jnp.where(rid == i, new, inv)
+
+    return jax.lax.fori_loop(1, c, solve_row, (row == col).astype(jnp.float32))
+
+
+def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref):
+    """One (chunk, value head): u = T (beta v) [C, Dv], w = T (beta k exp(gc)) [C, Dk]."""
+    k = k_ref[:, 0, :]                                                    # [C, Dk]
+    v = v_ref[:, 0, :]                                                    # [C, Dv]
+    g = g_ref[:, 0]
+    beta = beta_ref[:, 0][:, None]                                        # [C, 1]
+    row, col = _masks(g.shape[0])
+    gc_col, gc_row, _ = _cumulative(g, row, col)
+    kb = k * beta
+    a = jnp.where(row > col, _dot_t(kb, k) * jnp.exp(jnp.where(row > col, gc_col - gc_row, 0.0)), 0.0)
+    inv = unit_lower_inverse(a)
+    u_ref[:, 0, :] = _dot(inv, v * beta)
+    w_ref[:, 0, :] = _dot(inv, kb * jnp.exp(gc_col))
+
+
+def _chunked_kernel(meta_ref, q_ref, k_ref, g_ref, u_ref, w_ref, h_in, o_ref, h_out, *, block_v, ratio):
     b, head, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     offset, length = meta_ref[b, 0], meta_ref[b, 1]
     slot, read_idx, fresh = meta_ref[b, 2], meta_ref[b, 3], meta_ref[b, 4]
@@ -137,32 +190,18 @@ def _chunked_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_ref,
     safe_slot = jnp.where(live, slot, 0)
     s0 = h_in[safe_slot, read_idx, head, :, cols]
     s0 = jnp.where(live & (fresh == 0), s0, 0.0)
-
-    row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
-    incl = (row >= col).astype(jnp.float32)                               # lower triangle incl. diagonal
+    row, col = _masks(c)
 
     def chunk(i, s):
         rows = pl.ds(pl.multiple_of(offset + i * c, c), c)
-        on = (i * c + jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)) < length   # [C, 1]
         q = q_ref[rows, kh, :]                                            # [C, Dk]
-        k = jnp.where(on, k_ref[rows, kh, :], 0.0)
-        v = v_ref[rows, head, cols]                                       # [C, BV]
-        g = jnp.where(on, g_ref[rows, head][:, None], 0.0)                # [C, 1]
-        beta = jnp.where(on, beta_ref[rows, head][:, None], 0.0)
-        gc = _dot(incl, g)                                                # cumulative log decay [C, 1]
-        gc_row = _tdot(g, incl.T)                                         # the same as a row [1, C]
-        decay = jnp.exp(jnp.where(row >= col, gc - gc_row, -jnp.inf))      # [C, C]
-        kb = k * beta
-        a = jnp.where(row > col, _dot_t(kb, k) * decay, 0.0)
-        inv = _unit_lower_inverse(a, c)
-        u = _dot(inv, v * beta)                                           # [C, BV]
-        w = _dot(inv, kb * jnp.exp(gc))                                   # [C, Dk]
-        v_new = u - _dot(w, s)
-        o = _dot(q * jnp.exp(gc), s) + _dot(_dot_t(q, k) * decay, v_new)
+        k = k_ref[rows, kh, :]
+        gc_col, gc_row, g_last = _cumulative(g_ref[rows, head], row, col)
+        decay = jnp.exp(jnp.where(row >= col, gc_col - gc_row, -jnp.inf))  # [C, C]
+        v_new = u_ref[rows, head, cols] - _dot(w_ref[rows, head, :], s)    # [C, BV]
+        o = _dot(q * jnp.exp(gc_col), s) + _dot(_dot_t(q, k) * decay, v_new)
         o_ref[rows, head, cols] = o.astype(o_ref.dtype)
-        g_last = gc[c - 1:c, :]                                           # [1, 1]
-        return s * jnp.exp(g_last) + _tdot(k * jnp.exp(g_last - gc), v_new)
+        return s * jnp.exp(g_last) + _tdot(k * jnp.exp(g_last - gc_col), v_new)
 
     s = jax.lax.fori_loop(0, (length + c - 1) // c, chunk, s0)
 
@@ -181,19 +220,39 @@ def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh,
     hv, dv = v.shape[1], v.shape[2]
     if n % CHUNK:
         raise ValueError(f"token axis {n} is not a multiple of {CHUNK}")
-    bv = _block_v(dv)
+    if not interpret and not supported(dk, dv):
+        raise ValueError(f"compiled GDN needs power-of-two head dims >= 16, got Dk {dk}, Dv {dv}")
+    nseq, ratio = offset.shape[0], hv // hk
+    # Tokens outside every sequence decay nothing and write nothing (k = beta = g = 0).
+    pos = jnp.arange(n, dtype=jnp.int32)[:, None]
+    inside = jnp.any((pos >= offset[None, :]) & (pos < (offset + length)[None, :]), axis=1)
+    on = lambda x: jnp.where(inside.reshape((n,) + (1,) * (x.ndim - 1)), x.astype(jnp.float32), 0.0)
+    q, v = q.astype(jnp.float32), v.astype(jnp.float32)
+    k, g, beta = on(k), on(g), on(beta)
+    u, w = pl.pallas_call(
+        _wy_kernel,
+        grid=(n // CHUNK, hv),
+        in_specs=[pl.BlockSpec((CHUNK, 1, dk), lambda c, h: (c, h // ratio, 0)),
+                  pl.BlockSpec((CHUNK, 1, dv), lambda c, h: (c, h, 0)),
+                  pl.BlockSpec((CHUNK, 1), lambda c, h: (c, h)),
+                  pl.BlockSpec((CHUNK, 1), lambda c, h: (c, h))],
+        out_specs=[pl.BlockSpec((CHUNK, 1, dv), lambda c, h: (c, h, 0)),
+                   pl.BlockSpec((CHUNK, 1, dk), lambda c, h: (c, h, 0))],
+        out_shape=[jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), jax.ShapeDtypeStruct((n, hv, dk), jnp.float32)],
+        compiler_params=GPU_PARAMS, interpret=interpret,
+    )(k, v, g, beta)
+    bv = block_v(nseq, hv, dv)
     meta = jnp.stack([offset, length, slot, read_idx, fresh.astype(jnp.int32)], axis=1)
-    f32 = lambda x: x.astype(jnp.float32)
     return pl.pallas_call(
-        functools.partial(_chunked_kernel, block_v=bv, ratio=hv // hk),
-        grid=(offset.shape[0], hv, dv // bv),
-        in_specs=[_whole(meta.shape), _whole(q.shape), _whole(k.shape), _whole(v.shape), _whole(g.shape),
-                  _whole(beta.shape), _whole(h_pool.shape)],
-        out_specs=[_whole(v.shape), _whole(h_pool.shape)],
+        functools.partial(_chunked_kernel, block_v=bv, ratio=ratio),
+        grid=(nseq, hv, dv // bv),
+        in_specs=[whole(meta.shape), whole(q.shape), whole(k.shape), whole(g.shape), whole(u.shape),
+                  whole(w.shape), whole(h_pool.shape)],
+        out_specs=[whole(v.shape), whole(h_pool.shape)],
         out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
         input_output_aliases={6: 1},
-        interpret=interpret,
-    )(meta, f32(q), f32(k), f32(v), f32(g), f32(beta), h_pool)
+        compiler_params=GPU_PARAMS, interpret=interpret,
+    )(meta, q, k, g, u, w, h_pool)
 
 
 def align_offsets(lengths, chunk: int = CHUNK):

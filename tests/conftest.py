@@ -2,12 +2,11 @@ import os
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models (the torch oracle) by name
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-import hf_models  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -85,7 +85,8 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
 def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
     """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, q_norm,
     k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
-    Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention."""
+    Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention
+    (compiled Pallas only for shapes it takes, else XLA)."""
     n = x.shape[0]
     hd = cfg.head_dim
     q = x @ p["q"] + p["q_bias"] if "q_bias" in p else x @ p["q"]
@@ -105,7 +106,7 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
     for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):
         k_pages = write_kv(k_pages, k_s, seg)
         v_pages = write_kv(v_pages, v_s, seg)
-        if kernels.pallas:
+        if kernels.pallas and (kernels.interpret or pallas_attention.supported(k_pages.shape[1], hd)):
             o = pallas_attention.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
                                                  scale=hd ** -0.5, interpret=kernels.interpret)
         else:

@@ -194,7 +194,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     g = jnp.where(valid, g, 0.0)
 
-    if kernels.pallas:
+    if kernels.pallas and (kernels.interpret or pallas_gdn.supported(dk, dv)):
         o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret)
         if decode:
             conv_pool = _write_final(conv_pool, batch, _after(window, o))
