@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import gdn, paged_attention
+from atlas_jax.kernels import Kernels
+from atlas_jax.layers.moe import moe
+from pallas_kernels import gdn, grouped_matmul, paged_attention
 from pallas_kernels.common import BACKEND
 from pallas_kernels.cross_lower import TRITON_CALL, lower_for_cuda as lower
 
@@ -96,11 +98,33 @@ def test_gdn_chunked_prefill_lowers(name, rows, chunk, v_dtype):
     _assert_triton(lower(gdn.gdn_chunked_prefill, *args))
 
 
+# name: (hidden, expert intermediate, experts, top-k)
+MOE_MODELS = {
+    "Qwen3-30B-A3B": (2048, 768, 128, 8),
+    "Qwen3-235B-A22B": (4096, 1536, 128, 8),
+    "Qwen3-Next-80B-A3B": (2048, 512, 512, 10),
+    "atlas-tiny": (128, 64, 8, 2),
+}
+
+
+@pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("name,tokens", [(name, n) for name in MOE_MODELS for n in (1, 32, 2048)])
+def test_moe_layer_lowers_through_grouped_matmul(name, tokens, dtype):
+    """The whole MoE layer with compiled kernels: routing and sorting in XLA, the expert matmuls
+    in the Pallas grouped matmul."""
+    h, f, e, k = MOE_MODELS[name]
+    params = {"router": SPEC((h, e), dtype),
+              "experts": {"gate": SPEC((e, h, f), dtype), "up": SPEC((e, h, f), dtype), "down": SPEC((e, f, h), dtype)}}
+    module = lower(lambda p, x: moe(p, x, k, True, Kernels(pallas=True)), params, SPEC((tokens, h), dtype))
+    _assert_triton(module)
+
+
 def test_unsupported_shapes_are_refused_not_miscompiled():
     """Head dims a Triton dot cannot take are refused by the compiled entry points (the engine's
     layers then stay on XLA)."""
     assert not paged_attention.supported(16, 80) and not paged_attention.supported(8, 128)
     assert not gdn.supported(128, 96)
+    assert not grouped_matmul.supported(2048, 24)
     pool = SPEC((64, 16, 2, 80), F32)
     with pytest.raises(ValueError, match="power-of-two"):
         lower(lambda q, k, v, t, s, n: paged_attention.paged_attention(q, k, v, t, s, n, scale=0.1),

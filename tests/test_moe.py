@@ -1,11 +1,16 @@
-"""MoE: both dispatches (per-token gather, sorted grouped ragged_dot) equal a dense
-reference that runs every expert on every token and masks by the routing."""
+"""MoE: every dispatch (blocked scan, per-pair gather, sorted ragged_dot, the Pallas grouped
+matmul interpreted) equals a dense reference that runs every expert on every token and masks by
+the routing; the grouped-matmul kernel against its einsum reference over many shapes."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from atlas_jax.kernels import Kernels
 from atlas_jax.layers import moe as moe_mod
+from pallas_kernels import grouped_matmul
 
 
 def _params(seed, h=16, f=8, e=6, shared=True):
@@ -57,11 +62,46 @@ def test_dispatches_agree(n, k, e):
     w, ids = moe_mod.route(p["router"], x, k, True)
     a = jax.jit(moe_mod._experts_ragged)(p["experts"], x, w, ids)
     b = jax.jit(moe_mod._experts_blocked)(p["experts"], x, w, ids)
+    c = jax.jit(moe_mod._experts_gather)(p["experts"], x, w, ids)
     np.testing.assert_allclose(a, b, atol=1e-5)
+    np.testing.assert_allclose(a, c, atol=1e-5)
 
 
-def test_blocked_dispatch_work_scales_with_top_k():
-    """Decode (1 token) runs k single-row blocks: the k chosen experts, not all E."""
+@pytest.mark.parametrize("n,k", [(1, 2), (5, 3), (40, 2)])
+def test_pallas_dispatch_matches_dense_reference(n, k):
+    p = _params(n, h=32, f=16, e=6)
+    x = jax.random.normal(jax.random.PRNGKey(7 + n), (n, 32))
+    ref = _dense_reference(p, x, k, True)
+    kernels = Kernels(pallas=True, interpret=True)
+    assert moe_mod.dispatch_for("cpu", n * k, 6, kernels, (32, 16)) == "pallas"
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels))(p, x)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_dispatch_choice():
+    """Decode (1 token) runs k single-row blocks: the k chosen experts, not all E; on GPU without
+    Pallas, few pairs gather their experts rather than ragged_dot's dense expansion."""
     assert moe_mod.block_rows(1 * 10, 512) == 1
     assert moe_mod.block_rows(4096 * 10, 512) == 64
-    assert moe_mod.dispatch_for("cpu") == "blocked" and moe_mod.dispatch_for("gpu") == "ragged"
+    assert moe_mod.dispatch_for("cpu") == "blocked"
+    assert moe_mod.dispatch_for("gpu", 320, 512) == "gather" and moe_mod.dispatch_for("gpu", 5120, 512) == "ragged"
+    compiled = Kernels(pallas=True)
+    assert moe_mod.dispatch_for("gpu", 10, 512, compiled, (2048, 512)) == "pallas"
+    assert moe_mod.dispatch_for("gpu", 10, 512, compiled, (2048, 24)) == "gather"     # tile-less shape: XLA
+
+
+@settings(max_examples=15, deadline=None)
+@given(blocks=st.integers(1, 5), tb=st.sampled_from([16, 32]), k=st.sampled_from([16, 48, 64, 192]),
+       n=st.sampled_from([16, 96, 128, 384]), e=st.integers(1, 4), bf16=st.booleans(), seed=st.integers(0, 999))
+def test_grouped_matmul_matches_reference(blocks, tb, k, n, e, bf16, seed):
+    rng = np.random.default_rng(seed)
+    dtype = jnp.bfloat16 if bf16 else jnp.float32
+    x = jnp.asarray(rng.standard_normal((blocks * tb, k)), dtype)
+    w = jnp.asarray(rng.standard_normal((e, k, n)) * 0.1, dtype)
+    expert = jnp.asarray(np.sort(rng.integers(0, e, blocks)), jnp.int32)
+    used = jnp.asarray(np.arange(blocks) < rng.integers(1, blocks + 1), jnp.int32)
+    out = grouped_matmul.grouped_matmul(x, w, expert, used, block_rows=tb, interpret=True)
+    ref = grouped_matmul.reference(x, w, expert, used, block_rows=tb)
+    tol = 3e-2 if bf16 else 1e-4
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
+    assert np.all(np.asarray(out, np.float32).reshape(blocks, tb, n)[np.asarray(used) == 0] == 0)

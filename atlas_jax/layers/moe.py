@@ -2,23 +2,36 @@
 plus an optional shared expert behind a sigmoid gate (Qwen3-Next).
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
-sorted by expert; two grouped dispatches then run them, chosen in `dispatch_for` (the one
-place the choice is made):
-  * "ragged"  (GPU/TPU): `jax.lax.ragged_dot`, a grouped GEMM over the sorted pairs.
-  * "blocked" (CPU, where ragged_dot lowers densely): each expert's run of pairs is padded
-    to a multiple of a block of `tb` rows; a scan walks the blocks, indexing one expert's
-    weights per block (no copy) for a [tb, H] @ [H, F] matmul; empty blocks are skipped.
-    Blocks <= ceil((N*k + min(E, N*k) * (tb - 1)) / tb), so decode (tb = 1) reads only the
-    k chosen experts and prefill work is ~N*k rows.
+sorted by expert and run by one of four dispatches, chosen in `dispatch_for` (the one place the
+choice is made, at trace time from the platform and the shapes):
+  * "pallas"  (Pallas kernels): `block_layout` pads each expert's run of pairs to whole blocks
+    of tb >= 16 rows; `pallas_kernels.grouped_matmul` multiplies each block by its expert's
+    weights, read in place: only routed experts are read.
+  * "blocked" (XLA:CPU): the same layout; a scan walks the blocks, indexing one expert's weights
+    per block (no copy) for a [tb, H] @ [H, F] matmul; empty blocks are skipped. Blocks <=
+    ceil((N*k + min(E, N*k) * (tb - 1)) / tb), so decode (tb = 1) reads only the k chosen experts.
+  * "gather"  (XLA:GPU/TPU, N*k <= E): each pair's expert weights gathered, one batched einsum:
+    reads the routed experts only, where ragged_dot would read all E.
+  * "ragged"  (XLA:GPU/TPU, N*k > E): `jax.lax.ragged_dot` over the sorted pairs (XLA:GPU expands
+    it to dense matmuls over all experts, which is what tokens covering the experts cost anyway).
 """
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import grouped_matmul as pallas_gmm
+
+from ..kernels import XLA, Kernels
 from .mlp import swiglu
 
 
-def dispatch_for(backend: str) -> str:
-    return "blocked" if backend == "cpu" else "ragged"
+def dispatch_for(backend: str, num_pairs: int = 1, num_experts: int = 1, kernels: Kernels = XLA,
+                 dims: tuple[int, int] = (16, 16)) -> str:
+    """dims = (hidden, expert intermediate): shapes the compiled grouped matmul must take."""
+    if kernels.pallas and pallas_gmm.supported(*dims):
+        return "pallas"
+    if backend == "cpu":
+        return "blocked"
+    return "gather" if num_pairs <= num_experts else "ragged"
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
@@ -57,23 +70,59 @@ def _experts_ragged(p, x, weights, ids):
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
-def _experts_blocked(p, x, weights, ids):
+def _experts_gather(p, x, weights, ids):
     n, k = ids.shape
-    e, h_dim = p["gate"].shape[:2]
+    w = {name: jnp.take(a, ids.reshape(-1), axis=0) for name, a in p.items()}        # [N*k, ...]
+    xs = jnp.repeat(x, k, axis=0)                                                    # [N*k, H]
+    h = jax.nn.silu(jnp.einsum("ph,phf->pf", xs, w["gate"])) * jnp.einsum("ph,phf->pf", xs, w["up"])
+    y = jnp.einsum("pf,pfh->ph", h, w["down"]).astype(jnp.float32) * weights.reshape(-1, 1)
+    return jnp.sum(y.reshape(n, k, -1), axis=1).astype(x.dtype)
+
+
+def block_layout(ids, weights, num_experts: int, tb: int):
+    """The pairs sorted by expert, each expert's run padded to whole blocks of tb rows.
+    Returns (token [NB*tb] source row per slot (N = padding), weight [NB*tb] fp32,
+    block_expert [NB], block_used [NB] bool); NB is static."""
+    n, k = ids.shape
     pairs = n * k
-    tb = block_rows(pairs, e)
-    nb = -(-(pairs + min(e, pairs) * (tb - 1)) // tb)
-    order, expert, sizes = _sort_pairs(ids, e)
+    nb = -(-(pairs + min(num_experts, pairs) * (tb - 1)) // tb)
+    order, expert, sizes = _sort_pairs(ids, num_experts)
     padded = -(-sizes // tb) * tb
     group_start = jnp.cumsum(sizes) - sizes
     padded_start = jnp.cumsum(padded) - padded
     dest = padded_start[expert] + jnp.arange(pairs) - group_start[expert]   # row of each sorted pair
     rows = nb * tb
-    token = jnp.full((rows,), n, jnp.int32).at[dest].set(order // k)        # n = padding row
+    token = jnp.full((rows,), n, jnp.int32).at[dest].set(order // k)
     weight = jnp.zeros((rows,), jnp.float32).at[dest].set(weights.reshape(-1)[order])
+    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * tb, side="right"),
+                               num_experts - 1)
+    return token, weight, block_expert, jnp.arange(nb) * tb < jnp.sum(padded)
+
+
+def _combine(y, token, weight, n):
+    """Per-slot expert outputs [NB*tb, H] -> per-token weighted sums [N, H] fp32."""
+    y = y.astype(jnp.float32) * weight[:, None]
+    return jnp.zeros((n + 1, y.shape[1]), jnp.float32).at[token].add(y)[:n]
+
+
+def _experts_pallas(p, x, weights, ids, interpret: bool = False):
+    n, k = ids.shape
+    e = p["gate"].shape[0]
+    tb = max(pallas_gmm.MIN_BLOCK_ROWS, min(64, block_rows(n * k, e)))
+    token, weight, block_expert, used = block_layout(ids, weights, e, tb)
+    xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
+    gmm = lambda a, w: pallas_gmm.grouped_matmul(a, w, block_expert, used, block_rows=tb, interpret=interpret)
+    h = (jax.nn.silu(gmm(xs, p["gate"]).astype(jnp.float32)) * gmm(xs, p["up"]).astype(jnp.float32)).astype(x.dtype)
+    return _combine(gmm(h, p["down"]), token, weight, n).astype(x.dtype)
+
+
+def _experts_blocked(p, x, weights, ids):
+    n, k = ids.shape
+    e, h_dim = p["gate"].shape[:2]
+    tb = block_rows(n * k, e)
+    token, weight, block_expert, block_used = block_layout(ids, weights, e, tb)
+    nb = block_expert.shape[0]
     xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0).reshape(nb, tb, h_dim)
-    block_expert = jnp.minimum(jnp.searchsorted(jnp.cumsum(padded), jnp.arange(nb) * tb, side="right"), e - 1)
-    block_used = jnp.arange(nb) * tb < jnp.sum(padded)
 
     def block(_, xs_b):
         xb, eb, used = xs_b
@@ -82,18 +131,22 @@ def _experts_blocked(p, x, weights, ids):
             return swiglu(w, xb)
         return None, jax.lax.cond(used, run, jnp.zeros_like, xb)
     _, y = jax.lax.scan(block, None, (xs, block_expert, block_used))
-    y = y.reshape(rows, h_dim).astype(jnp.float32) * weight[:, None]
-    return jnp.zeros((n + 1, h_dim), jnp.float32).at[token].add(y)[:n].astype(x.dtype)
+    return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
 
 
-def moe(p, x, top_k: int, renormalise: bool):
+def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA):
     """p: {router [H, E], experts: {gate [E, H, F], up [E, H, F], down [E, F, H]}, optional
     shared: swiglu params, shared_gate [H, 1]}; x [..., H] -> [..., H]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     weights, ids = route(p["router"], x2, top_k, renormalise)
-    experts = _experts_blocked if dispatch_for(jax.default_backend()) == "blocked" else _experts_ragged
-    y = experts(p["experts"], x2, weights, ids)
+    e, h_dim, f_dim = p["experts"]["gate"].shape
+    dispatch = dispatch_for(jax.default_backend(), x2.shape[0] * top_k, e, kernels, (h_dim, f_dim))
+    if dispatch == "pallas":
+        y = _experts_pallas(p["experts"], x2, weights, ids, kernels.interpret)
+    else:
+        experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]
+        y = experts(p["experts"], x2, weights, ids)
     if "shared" in p:
         gate = jax.nn.sigmoid((x2 @ p["shared_gate"]).astype(jnp.float32))
         y = y + (gate * swiglu(p["shared"], x2).astype(jnp.float32)).astype(x.dtype)

@@ -36,7 +36,7 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
             x = x + h
         h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if cfg.moe_layers[i]:
-            h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+            h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels)
         else:
             h = swiglu(p["mlp"], h)
         return x + h, layer_state
