@@ -90,3 +90,16 @@ def test_random_shapes(data, t, groups, hkv, d, ps, bf16):
     starts = data.draw(st.lists(st.sampled_from([0, 1, ps - 1, ps, ps + 1, 3 * ps + 5]), min_size=1, max_size=4))
     rows = [(s, data.draw(st.integers(0 if i else 1, t))) for i, s in enumerate(starts)]
     _check(rows, t, groups * hkv, hkv, d, ps, jnp.bfloat16 if bf16 else jnp.float32, seed=len(rows))
+
+
+def test_reference_static_block_loop_equals_run_time_trip_count():
+    """The XLA layer's GPU form (every block of the table, masked) equals its CPU form (trip count =
+    the longest row's blocks) on rows far shorter than the table."""
+    rows = [(0, 3), (300, 4), (5, 0)]
+    q, k, v, table, start, q_len = _case(1, rows, 4, 8, 2, 64, 16, jnp.float32)
+    table = jnp.pad(table, ((0, 0), (0, 64 - table.shape[1])))            # 1024 tokens of table
+    seg = StepBatch(tokens=jnp.zeros((3, 4), jnp.int32), q_len=q_len, start=start, block_table=table,
+                    slot=jnp.zeros((3,), jnp.int32), state_idx=jnp.zeros((3,), jnp.int32))
+    dynamic, _, _ = reference(q, k, v, seg, 0.125, static_blocks=False)
+    static, _, _ = reference(q, k, v, seg, 0.125, static_blocks=True)
+    np.testing.assert_allclose(static, dynamic, atol=1e-6)

@@ -3,8 +3,10 @@
 Each segment's new K/V are written into their pages first; every query row then attends to
 its sequence's pages [0, start + q_len) with a causal limit at its own position: "earlier
 pages plus causal inside the chunk" in one masked pass. The KV axis is walked in blocks of
-KV_BLOCK_TOKENS with an online softmax, for a trip count set at run time by the longest
-sequence in the step, so the compiled step does not depend on context length.
+KV_BLOCK_TOKENS with an online softmax. On CPU the trip count is set at run time by the longest
+sequence in the step, so the compiled step does not depend on context length; elsewhere it is the
+block table's static length (XLA:GPU synchronises with the host on every iteration of a loop whose
+trip count lives on the device), with blocks past a row's end masked.
 """
 import jax
 import jax.numpy as jnp
@@ -32,11 +34,11 @@ def write_kv(pages, new, batch):
 
 
 def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | None = None,
-                    window: int | None = None):
+                    window: int | None = None, static_blocks: bool | None = None):
     """q [B, T, H, D]; pages [P, S, Hkv, D] already holding this chunk -> (out [B, T, H, D],
     k_pages, v_pages) — the same pages, to be used in place of the inputs. A padding row gets zeros.
     soft_cap: scores -> cap * tanh(scores / cap). window: a query at position p sees KV positions
-    p - window + 1 .. p only."""
+    p - window + 1 .. p only. static_blocks: walk every block of the table (default: off CPU)."""
     b, t, h, d = q.shape
     page_size, hkv = k_pages.shape[1], k_pages.shape[2]
     table = batch.block_table
@@ -46,7 +48,12 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
     blk = block_pages * page_size
     qg = q.reshape(b, t, hkv, h // hkv, d)
     limit = jnp.minimum(batch.positions, (batch.start + batch.q_len - 1)[:, None])     # [B, T]
-    num_blocks = (jnp.max(batch.start + batch.q_len) + blk - 1) // blk
+    if static_blocks is None:
+        static_blocks = jax.default_backend() != "cpu"
+    if not static_blocks:
+        num_blocks = (jnp.max(batch.start + batch.q_len) + blk - 1) // blk
+    else:
+        num_blocks = table.shape[1] // block_pages
 
     def block(j, carry):
         m, l, acc, k_pages, v_pages = carry
