@@ -1,6 +1,8 @@
 """MoE: every dispatch (blocked scan, per-pair gather, sorted ragged_dot, the Pallas grouped
 matmul interpreted) equals a dense reference that runs every expert on every token and masks by
 the routing; the grouped-matmul kernel against its einsum reference over many shapes."""
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,6 +13,8 @@ from hypothesis import strategies as st
 from atlas_jax.kernels import Kernels
 from atlas_jax.layers import moe as moe_mod
 from pallas_kernels import grouped_matmul
+
+INTERPRET = os.environ.get("ATLAS_JAX_PALLAS_COMPILED") != "1"
 
 
 def _params(seed, h=16, f=8, e=6, shared=True):
@@ -72,7 +76,7 @@ def test_pallas_dispatch_matches_dense_reference(n, k):
     p = _params(n, h=32, f=16, e=6)
     x = jax.random.normal(jax.random.PRNGKey(7 + n), (n, 32))
     ref = _dense_reference(p, x, k, True)
-    kernels = Kernels(pallas=True, interpret=True)
+    kernels = Kernels(pallas=True, interpret=INTERPRET)
     assert moe_mod.dispatch_for("cpu", n * k, 6, kernels, (32, 16)) == "pallas"
     out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels))(p, x)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
@@ -100,7 +104,7 @@ def test_grouped_matmul_matches_reference(blocks, tb, k, n, e, bf16, seed):
     w = jnp.asarray(rng.standard_normal((e, k, n)) * 0.1, dtype)
     expert = jnp.asarray(np.sort(rng.integers(0, e, blocks)), jnp.int32)
     used = jnp.asarray(np.arange(blocks) < rng.integers(1, blocks + 1), jnp.int32)
-    out = grouped_matmul.grouped_matmul(x, w, expert, used, block_rows=tb, interpret=True)
+    out = grouped_matmul.grouped_matmul(x, w, expert, used, block_rows=tb, interpret=INTERPRET)
     ref = grouped_matmul.reference(x, w, expert, used, block_rows=tb)
     tol = 3e-2 if bf16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)

@@ -2,7 +2,7 @@
 ATLAS_JAX_PALLAS_COMPILED=1 on a GPU) against the pure-jnp reference
 `layers.attention.paged_attention`, over KV lengths 0 / 1 / a page / page + 1 / long, q_len 1
 (decode, split-KV with 1..many splits), 2..8 (verify), prefill chunks, GQA ratios 1..8, head dims
-64..256, pages 8..64, fp32 and bf16, soft-cap and sliding window, random non-contiguous block tables
+64..256, pages 16..64 (the compiled kernels' minimum is 16), fp32 and bf16, soft-cap and sliding window, random non-contiguous block tables
 and padding rows (zeros out)."""
 import os
 
@@ -39,10 +39,12 @@ def _case(seed, rows, t, heads, kv_heads, d, page_size, dtype):
 
 CASES = [
     # rows (start, q_len), T, H, Hkv, D, page size
-    ([(0, 1), (7, 1), (8, 1), (9, 1), (40, 1)], 1, 4, 4, 64, 8),          # decode: KV 1 / page-1 / page / page+1 / long
-    ([(5, 3), (16, 8), (0, 2)], 8, 8, 2, 64, 8),                           # verify K in 2..8, GQA 4
+    ([(0, 1), (15, 1), (16, 1), (17, 1), (80, 1)], 1, 4, 4, 64, 16),      # decode: KV 1 / page-1 / page / page+1 / long
+    ([(5, 3), (16, 8), (0, 2)], 8, 8, 2, 64, 16),                          # verify K in 2..8, GQA 4
     ([(0, 16), (20, 9), (3, 0)], 16, 8, 1, 128, 16),                       # prefill chunks + a padding row, GQA 8
     ([(30, 5), (0, 7)], 8, 6, 3, 64, 32),                                  # GQA 2, page 32
+    ([(0, 40), (50, 33), (7, 0)], 40, 16, 2, 64, 16),                      # 3 query blocks of 16 tokens, GQA 8
+    ([(3, 7)], 7, 10, 2, 128, 16),                                         # group of 5 (padded to 8), verify
 ]
 
 
@@ -71,20 +73,20 @@ def test_kernel_matches_reference(case, dtype):
 @pytest.mark.parametrize("splits", [1, 2, 3, 16])
 def test_decode_split_kv(splits):
     """More splits than a row has pages leaves empty splits, which the combine must ignore."""
-    _check([(0, 1), (7, 1), (8, 1), (70, 1), (3, 0)], 1, 8, 2, 64, 8, jnp.float32, num_splits=splits)
+    _check([(0, 1), (15, 1), (16, 1), (140, 1), (3, 0)], 1, 8, 2, 64, 16, jnp.float32, num_splits=splits)
 
 
-@pytest.mark.parametrize("t", [1, 4, 16])
+@pytest.mark.parametrize("t", [1, 4, 40])
 def test_soft_cap_and_sliding_window(t):
-    rows = [(0, 1 if t == 1 else t), (37, 1 if t == 1 else 3), (64, 1)]
-    _check(rows, t, 4, 2, 64, 8, jnp.float32, soft_cap=5.0)
-    _check(rows, t, 4, 2, 64, 8, jnp.float32, window=20)
-    _check(rows, t, 4, 2, 64, 8, jnp.float32, soft_cap=30.0, window=9)
+    rows = [(0, 1 if t == 1 else t), (75, 1 if t == 1 else 3), (128, 1)]
+    _check(rows, t, 4, 2, 64, 16, jnp.float32, soft_cap=5.0)
+    _check(rows, t, 4, 2, 64, 16, jnp.float32, window=40)
+    _check(rows, t, 4, 2, 64, 16, jnp.float32, soft_cap=30.0, window=18)
 
 
 @settings(max_examples=12, deadline=None)
 @given(data=st.data(), t=st.sampled_from([1, 2, 5, 8, 16]), groups=st.sampled_from([1, 2, 4, 8]),
-       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), ps=st.sampled_from([8, 16, 32, 64]),
+       hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), ps=st.sampled_from([16, 32, 64]),
        bf16=st.booleans())
 def test_random_shapes(data, t, groups, hkv, d, ps, bf16):
     starts = data.draw(st.lists(st.sampled_from([0, 1, ps - 1, ps, ps + 1, 3 * ps + 5]), min_size=1, max_size=4))

@@ -10,8 +10,9 @@ from conftest import random_prompts
 
 from atlas_jax import LLM, SamplingParams
 
-ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
+ENGINE = dict(dtype="float32", page_size=16, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
               max_num_batched_tokens=128, warmup=False, compile_cache_dir="")
+GDN_DIMS = dict(dk=16, dv=32)       # shapes the compiled kernels take (powers of two >= 16), for GPU runs
 LENGTHS = [5, 20, 70, 131]          # recurrent (T <= 16) chunks, one chunk, chunks carrying state
 
 
@@ -19,7 +20,7 @@ LENGTHS = [5, 20, 70, 131]          # recurrent (T <= 16) chunks, one chunk, chu
 def test_pallas_tokens_equal_xla(ckpt_dir, family):
     maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
     # init 0.2 (not HF's 0.02, whose logits are nearly uniform) so that a wrong state carry changes tokens
-    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2)
+    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2, **(GDN_DIMS if family == "qwen3_next" else {}))
     prompts = random_prompts(256, LENGTHS, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     xla = LLM(path, kernels="xla", **ENGINE)
@@ -35,7 +36,7 @@ def test_pallas_tokens_equal_xla(ckpt_dir, family):
 def test_pallas_speculative_verify_equals_xla(ckpt_dir):
     """The GDN kernels with R = 4 state positions: verify writes per-token states, the next step reads
     the accepted one (drafts: first right, the rest wrong)."""
-    path, _ = ckpt_dir("qwen3_next_pallas", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+    path, _ = ckpt_dir("qwen3_next_pallas", hf_models.make_qwen3_next, vocab=256, init_std=0.2, **GDN_DIMS)
     prompts = random_prompts(256, LENGTHS[:2], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in LLM(path, kernels="xla", **ENGINE).generate(prompts, params)]
