@@ -129,3 +129,25 @@ def test_unsupported_shapes_are_refused_not_miscompiled():
     with pytest.raises(ValueError, match="power-of-two"):
         lower(lambda q, k, v, t, s, n: paged_attention.paged_attention(q, k, v, t, s, n, scale=0.1),
               SPEC((1, 1, 4, 80), F32), pool, pool, SPEC((1, 8), I32), SPEC((1,), I32), SPEC((1,), I32))
+
+
+@pytest.fixture(scope="module")
+def compiled_kernel_engine(tmp_path_factory):
+    """The embedded default model (GDN + attention + MoE + MTP) with compiled-kernel steps; nothing is
+    compiled or run here (warmup=False): the steps are only lowered for CUDA."""
+    import os
+    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
+    from atlas_jax import LLM
+    return LLM(kernels=Kernels(pallas=True), dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=256,
+               max_prefill_chunk=64, warmup=False, progress=False, compile_cache_dir="",
+               speculative={"method": "mtp", "num_drafts": 3})
+
+
+@pytest.mark.parametrize("kind,shape", [("step", ((8, 1),)), ("step", ((8, 1), (2, 64))), ("verify", ((8, 4),))])
+def test_engine_step_lowers_for_cuda(compiled_kernel_engine, kind, shape):
+    """A whole serving step (decode, mixed decode + prefill, MTP verify: model, sampler, MTP head) lowers
+    for CUDA with every mixer and the MoE in Triton kernels: the XLA parts of the step lower too."""
+    runner = compiled_kernel_engine.runner
+    spec = lambda tree: jax.tree.map(lambda x: SPEC(x.shape, x.dtype), tree)
+    module = lower(runner._jitted[kind], spec(runner.params), spec(runner.state), *runner.abstract_args(kind, shape))
+    _assert_triton(module)

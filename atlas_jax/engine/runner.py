@@ -351,6 +351,10 @@ class ModelRunner:
         return self.num_compiles - before
 
     def _compile_abstract(self, kind, shape) -> None:
+        self._executable(kind, self.abstract_args(kind, shape))
+
+    def abstract_args(self, kind: str, shape) -> tuple:
+        """ShapeDtypeStructs of a `kind` step's arguments after (params, state) for one bucket."""
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         if kind == "draft":
             seg = StepBatch(i32(shape, 1), i32(shape), i32(shape), i32(shape, self.max_pages_per_seq), i32(shape),
@@ -372,4 +376,4 @@ class ModelRunner:
         else:
             saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
-        self._executable(kind, args)
+        return args
