@@ -15,6 +15,7 @@ from jax.experimental.pallas import triton as pltriton
 
 BACKEND = "triton"
 GPU_PARAMS = pltriton.CompilerParams(num_warps=4, num_stages=2)
+WIDE_PARAMS = pltriton.CompilerParams(num_warps=8, num_stages=2)    # bodies holding several 8K-element tiles
 
 
 def pow2(n: int) -> int:

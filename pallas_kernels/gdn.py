@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import GPU_PARAMS, pow2, whole
+from pallas_kernels.common import GPU_PARAMS, WIDE_PARAMS, pow2, whole
 
 CHUNK = 64
 TARGET_PROGRAMS = 264          # ~2 waves of an H100/H200's 132 SMs
@@ -239,7 +239,7 @@ def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh,
         out_specs=[pl.BlockSpec((CHUNK, 1, dv), lambda c, h: (c, h, 0)),
                    pl.BlockSpec((CHUNK, 1, dk), lambda c, h: (c, h, 0))],
         out_shape=[jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), jax.ShapeDtypeStruct((n, hv, dk), jnp.float32)],
-        compiler_params=GPU_PARAMS, interpret=interpret,
+        compiler_params=WIDE_PARAMS, interpret=interpret,
     )(k, v, g, beta)
     bv = block_v(nseq, hv, dv)
     meta = jnp.stack([offset, length, slot, read_idx, fresh.astype(jnp.int32)], axis=1)
@@ -251,7 +251,7 @@ def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh,
         out_specs=[whole(v.shape), whole(h_pool.shape)],
         out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
         input_output_aliases={6: 1},
-        compiler_params=GPU_PARAMS, interpret=interpret,
+        compiler_params=WIDE_PARAMS, interpret=interpret,
     )(meta, q, k, g, u, w, h_pool)
 
 

@@ -17,8 +17,8 @@ Two kernels, chosen by T:
   pages are divided into `num_splits` ranges walked in parallel, each leaving (max, sum,
   unnormalised output); a log-sum-exp combine merges them. Few rows with long contexts still fill
   the GPU.
-- `_rows_kernel` (prefill chunks): grid (row, KV head, query block); a program holds BLOCK_ROWS
-  query rows and walks only the pages its block can see (window start .. its last query).
+- `_rows_kernel` (prefill chunks): grid (row, KV head, query block); a program holds
+  BLOCK_ELEMS / D query rows (128 at D = 128, 64 at D = 256) and walks only the pages its block can see (window start .. its last query).
 
 Dots take bf16 operands as they are, accumulating in fp32 (tensor cores); fp32 inputs use HIGHEST.
 """
@@ -30,12 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.common import GPU_PARAMS, pow2, whole
+from pallas_kernels.common import GPU_PARAMS, WIDE_PARAMS, pow2, whole
 
 _MASKED = -1e30
 TARGET_PROGRAMS = 264          # ~2 waves of an H100/H200's 132 SMs: decode splits aim for this
 SPLIT_MAX_T = 8                # decode / verify rows take the split-KV kernel
-BLOCK_ROWS = 128               # query rows (tokens x groups) per prefill program
+BLOCK_ELEMS = 16384            # query rows x head dim per prefill program (fp32 accumulator in registers)
 MIN_ROWS = 16                  # Triton's smallest dot
 
 
@@ -181,7 +181,7 @@ def paged_attention(q, k_pages, v_pages, block_table, start, q_len, *, scale: fl
         )(block_table, start, q_len, qg, k_pages, v_pages)
         out = combine_splits(m[..., 0], l[..., 0], acc)
     else:
-        block_tokens = max(1, BLOCK_ROWS // g_pad)
+        block_tokens = max(1, BLOCK_ELEMS // d // g_pad)
         t_pad = -(-t // block_tokens) * block_tokens if t > block_tokens else max(pow2(t), MIN_ROWS // g_pad)
         rows = min(t_pad, block_tokens) * g_pad
         qg = _regroup(q, hkv, t_pad, g_pad)
@@ -191,7 +191,7 @@ def paged_attention(q, k_pages, v_pages, block_table, start, q_len, *, scale: fl
             in_specs=head_in + [pl.BlockSpec((1, 1, rows, d), lambda i, j, r: (i, j, r, 0))] + pools,
             out_specs=pl.BlockSpec((1, 1, rows, d), lambda i, j, r: (i, j, r, 0)),
             out_shape=jax.ShapeDtypeStruct(qg.shape, jnp.float32),
-            compiler_params=GPU_PARAMS, interpret=interpret,
+            compiler_params=WIDE_PARAMS, interpret=interpret,
         )(block_table, start, q_len, qg, k_pages, v_pages)
     return _ungroup(out, t, h).astype(out_dtype)
 
