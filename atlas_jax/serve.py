@@ -40,6 +40,11 @@ def parse_args(argv=None):
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
     ap.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
     ap.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
+    ap.add_argument("--tool-call-parser", default="auto",
+                    help="tool-call format in replies: auto (from the chat template), qwen3_json (hermes), "
+                         "qwen3_xml (qwen3_coder), none")
+    ap.add_argument("--reasoning-parser", default="auto",
+                    help="split <think>...</think> into reasoning_content: auto (when the template has it), qwen3, none")
     ap.add_argument("--request-timeout", type=float, default=None, help="seconds; a request running longer ends "
                     "with finish_reason 'timeout'")
     ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After")
@@ -78,7 +83,8 @@ def main(argv=None) -> None:
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
                     request_timeout=args.request_timeout, max_waiting=args.max_waiting,
-                    max_body_bytes=args.max_body_bytes)
+                    max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
+                    reasoning_parser=args.reasoning_parser)
 
     logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (warming up; /health is 503 until ready)",
                                         name, args.host, args.port)

@@ -1,7 +1,8 @@
 """Chat templates render as transformers' apply_chat_template renders them: the checkpoint's
 chat_template.jinja, tokenizer_config's chat_template (string or named list), tools, tool-call round
 trips, multi-turn reasoning, chat_template_kwargs (thinking off), continue_final_message — on
-Qwen3-, Llama-3- and Gemma-style templates (tests/templates/). Same text, same token ids."""
+Qwen3-, Qwen3.5 / Qwen3-Coder XML-, Llama-3- and Gemma-style templates (tests/templates/). Same
+text, same token ids."""
 import json
 import os
 import shutil
@@ -27,6 +28,12 @@ CHATS = {
                         {"role": "assistant", "content": None, "tool_calls": [CALL]},
                         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}],
 }
+# The same round trip as vLLM hands it to templates: arguments parsed into a mapping (XML templates
+# iterate them with `|items`).
+CALL_OBJ = {**CALL, "function": {**CALL["function"], "arguments": {"city": "Paris", "days": [1, 2]}}}
+CHATS["tool_round_trip_object"] = [CHATS["tool_round_trip"][0], {"role": "assistant", "content": "Checking.",
+                                                                 "tool_calls": [CALL_OBJ, CALL_OBJ]},
+                                   CHATS["tool_round_trip"][2], CHATS["tool_round_trip"][2]]
 
 
 def checkpoint(tmp_path, template_name, where):
@@ -49,6 +56,8 @@ CASES = [("qwen3.jinja", "jinja", chat, kw) for chat in CHATS for kw in ({}, {"e
 CASES += [("qwen3.jinja", "string", "tool_round_trip", {}), ("qwen3.jinja", "named", "simple", {}),
           ("llama3.jinja", "jinja", "simple", {}), ("llama3.jinja", "jinja", "tool_round_trip", {}),
           ("gemma.jinja", "jinja", "multi_turn_reasoning", {}), ("gemma.jinja", "named", "simple", {})]
+CASES += [("qwen3_xml.jinja", "jinja", chat, kw) for chat in ("simple", "multi_turn_reasoning", "tool_round_trip_object")
+          for kw in ({}, {"enable_thinking": False})]
 
 
 @pytest.mark.parametrize("template,where,chat,kwargs", CASES)
@@ -107,5 +116,32 @@ def test_chat_request_fields_reach_the_template(tmp_path, default_llm):
             assert r.json()["usage"]["prompt_tokens"] == len(hf(ref, add_special_tokens=False)["input_ids"])
             bad = c.post("/v1/chat/completions", json={"messages": CHATS["simple"], "chat_template_kwargs": {"tools": 1}})
             assert bad.status_code == 400 and bad.json()["error"]["param"] == "chat_template_kwargs"
+    finally:
+        engine.shutdown()
+
+
+def test_xml_template_tool_round_trip_over_http(tmp_path, default_llm):
+    """OpenAI clients send a tool call's arguments as a JSON string; the server hands the template a
+    mapping (as vLLM does), so an XML template that iterates them renders what transformers renders
+    from the parsed arguments."""
+    from fastapi.testclient import TestClient
+    from transformers import AutoTokenizer
+
+    from atlas_jax.engine.async_llm import AsyncLLM
+    from atlas_jax.server.app import build_app
+    path = checkpoint(tmp_path, "qwen3_xml.jinja", "jinja")
+    hf = AutoTokenizer.from_pretrained(path)
+    sent = [CHATS["tool_round_trip"][0], {"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "get_weather", "arguments": json.dumps(CALL_OBJ["function"]["arguments"])}}]},
+        CHATS["tool_round_trip"][2]]
+    parsed = [sent[0], {**sent[1], "tool_calls": [CALL_OBJ]}, sent[2]]
+    ref = hf.apply_chat_template(parsed, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert "<parameter=days>\n[1, 2]\n</parameter>" in ref
+    engine = AsyncLLM.from_llm(default_llm)
+    try:
+        with TestClient(build_app(engine, served_model_name="tiny",
+                                  chat_template=os.path.join(TEMPLATES, "qwen3_xml.jinja"))) as c:
+            r = c.post("/tokenize", json={"messages": sent, "tools": TOOLS})
+            assert r.json()["tokens"] == hf(ref, add_special_tokens=False)["input_ids"]
     finally:
         engine.shutdown()

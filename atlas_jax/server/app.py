@@ -25,6 +25,8 @@ from ..engine.outputs import CompletionOutput
 from ..tokenizer import check_unicode
 from .chat import ChatTemplate
 from .guard import JSON, APIError, Guard, error_body, error_response, error_type, read_json
+from .parsers import (THINK_END, THINK_START, Delta, OutputParser, forced_opening, resolve_reasoning_parser,
+                      resolve_tool_parser)
 from .protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 log = logging.getLogger("atlas_jax.server")
@@ -65,10 +67,14 @@ class Metrics:
 
 
 def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None = None, chat_template: str | None = None,
-              request_timeout: float | None = None, max_waiting: int = 256, max_body_bytes: int = 1 << 22) -> FastAPI:
+              request_timeout: float | None = None, max_waiting: int = 256, max_body_bytes: int = 1 << 22,
+              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
     app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON)
     metrics = Metrics(engine)
     template = ChatTemplate.for_model(engine.llm.model_path, chat_template)
+    tool_format = resolve_tool_parser(tool_call_parser, template.source)
+    reasoning = resolve_reasoning_parser(reasoning_parser, template.source)
+    app.state.tool_format, app.state.reasoning = tool_format, reasoning
     tokenizer = engine.tokenizer
     vocab_size = engine.engine.cfg.vocab_size
     app.state.engine, app.state.metrics = engine, metrics
@@ -361,6 +367,18 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
         prompt = await engine.offload(render_chat, body)
+        fmt = tool_format if body.tools and body.tool_choice != "none" else "none"
+        if fmt == "none" and body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "this model's chat template has no tool-call format; start the server with "
+                                "--tool-call-parser to force tool calls", param="tool_choice")
+        opened = reasoning != "none" and prompt.rstrip().endswith(THINK_START)
+        head = forced_opening(fmt, body.tool_choice)
+        if head and opened:
+            head, opened = THINK_END + "\n\n" + head, True
+        prompt += head
+
+        def parser():
+            return OutputParser(fmt, body.tools, reasoning, opened, prefix=head)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         items = await started([prompt], params, rid)
@@ -380,6 +398,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         if body.stream:
             async def events():
                 sent_role, completion, prompt_len = set(), 0, 0
+                parsers, calls = {}, {}
                 last = time.monotonic()
                 async for _, out in items:
                     now = time.monotonic()
@@ -388,18 +407,32 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     prompt_len = len(out.prompt_token_ids)
                     for c in out.outputs:
                         completion += len(c.token_ids)
+                        p = parsers.setdefault(c.index, parser())
+                        parsed = p.feed(c.text)
+                        if c.finished:
+                            tail = p.finish()
+                            parsed = Delta(parsed.content + tail.content, parsed.reasoning + tail.reasoning,
+                                           parsed.tool_calls + tail.tool_calls)
                         delta = {}
                         if c.index not in sent_role:
                             delta["role"] = "assistant"
                             sent_role.add(c.index)
-                        if c.text:
-                            delta["content"] = c.text
-                        if not delta and not c.finished:
+                        if parsed.reasoning:
+                            delta["reasoning_content"] = parsed.reasoning
+                        if parsed.content:
+                            delta["content"] = parsed.content
+                        made = calls.setdefault(c.index, [])
+                        new = parsed.tool_calls[:max(0, 1 - len(made))] if not body.parallel_tool_calls \
+                            else parsed.tool_calls
+                        if new:
+                            delta["tool_calls"] = [{"index": len(made) + j, **call.to_openai()} for j, call in enumerate(new)]
+                            made += new
+                        if not delta and not c.finished and c.logprobs is None:
                             continue
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": served_model_name,
                                    "choices": [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c),
-                                                "finish_reason": c.finish_reason}]})
+                                                "finish_reason": _chat_finish(c.finish_reason, made)}]})
                     _observe(out)
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
@@ -421,10 +454,23 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                     finish[c.index] = c.finish_reason
             _observe(out)
 
+        def message(text):
+            d = parser().parse(text)
+            calls = d.tool_calls if body.parallel_tool_calls else d.tool_calls[:1]
+            msg = {"role": "assistant", "content": d.content if d.content or not calls else None}
+            if reasoning != "none":
+                msg["reasoning_content"] = d.reasoning or None
+            if calls:
+                msg["tool_calls"] = [call.to_openai() for call in calls]
+            return msg, calls
+
         def body_of_chat():
-            choices = [{"index": i, "message": {"role": "assistant", "content": texts[i]},
-                        "logprobs": chat_logprobs(CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i]))
-                        if i in lps else None, "finish_reason": finish.get(i)} for i in sorted(texts)]
+            choices = []
+            for i in sorted(texts):
+                msg, calls = message(texts[i])
+                choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(
+                    CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i])) if i in lps else None,
+                    "finish_reason": _chat_finish(finish.get(i), calls)})
             c = sum(len(v) for v in ids.values())
             return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
                     "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
@@ -445,6 +491,11 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 MAX_PROMPTS = 64                    # prompts in one /v1/completions request
 DISCONNECT_POLL_S = 0.25            # how often a non-streaming request checks that its client is still there
 _ROUTES = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"}
+
+
+def _chat_finish(reason, calls):
+    """OpenAI reports a reply that ends in tool calls as finish_reason "tool_calls"."""
+    return "tool_calls" if calls and reason == "stop" else reason
 
 
 def _path_label(path: str) -> str:

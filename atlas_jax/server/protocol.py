@@ -10,9 +10,10 @@ do; fields we accept but cannot honour are refused rather than silently dropped.
 """
 from __future__ import annotations
 
+import json
 from typing import Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
@@ -134,6 +135,8 @@ class _Chat(BaseModel):
             d = m.model_dump(exclude_unset=True)
             if isinstance(m.content, list):
                 d["content"] = m.text()
+            if isinstance(d.get("tool_calls"), list):
+                d["tool_calls"] = [_arguments_as_object(c) for c in d["tool_calls"]]
             messages.append(d)
         reserved = {"messages", "tools", "documents", "add_generation_prompt"} & set(self.chat_template_kwargs or {})
         if reserved:
@@ -143,10 +146,41 @@ class _Chat(BaseModel):
                     **(self.chat_template_kwargs or {}))
 
 
+def _arguments_as_object(call):
+    """OpenAI sends a tool call's arguments as a JSON string; templates iterate them as a mapping
+    (`arguments|items`) or print them (`tojson` of a string keeps it a string): pass a dict when the
+    string holds a JSON object, as vLLM does."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            return call
+        if isinstance(args, dict):
+            return {**call, "function": {**fn, "arguments": args}}
+    return call
+
+
 class ChatCompletionRequest(_Chat, _Sampling):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _check_tool_choice(cls, choice, info):
+        tools = info.data.get("tools") or []
+        if isinstance(choice, dict):
+            fn = choice.get("function")
+            if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ValueError('must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}')
+            if fn["name"] not in {(t.get("function") or {}).get("name") for t in tools}:
+                raise ValueError(f"names {fn['name']!r}, which is not in tools")
+        elif choice == "required" and not tools:
+            raise ValueError('"required" needs tools')
+        return choice
 
 
 class TokenizeRequest(_Chat):

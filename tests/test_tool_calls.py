@@ -1,0 +1,177 @@
+"""Tool calls and reasoning through the HTTP server with the official `openai` client, streamed and
+not, for the Qwen3 JSON and the Qwen3.5 / Qwen3-Coder XML formats (auto-detected from the
+checkpoint's chat_template.jinja), tool_choice none / auto / required / a named function.
+
+A random-weight model cannot be made to call a tool, so the server here runs over `ScriptedEngine`:
+AsyncLLM's serving interface whose replies are scripted text, delivered a few characters per
+delta (as the detokenizer would). Everything from the HTTP body to the SSE chunks is the real server."""
+import asyncio
+import json
+import os
+import shutil
+import threading
+import time
+import types
+
+import pytest
+
+from atlas_jax.default_model import default_model_path
+from atlas_jax.engine.async_llm import FINISHED
+from atlas_jax.engine.outputs import CompletionOutput, RequestOutput
+from atlas_jax.tokenizer import Tokenizer
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}, "days": {"type": "integer"}},
+                                               "required": ["city"]}}}]
+JSON_REPLY = ('<think>\nThe user wants the weather.\n</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Paris", "days": 2}}\n</tool_call>\n<tool_call>\n{"name": "get_weather", '
+              '"arguments": {"city": "Oslo"}}\n</tool_call>')
+XML_REPLY = ('The user wants the weather.\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n'
+             '</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>')
+
+
+class ScriptedEngine:
+    """The part of AsyncLLM the server uses; each request's reply is the next scripted text."""
+
+    def __init__(self, model_path):
+        self.llm = types.SimpleNamespace(model_path=model_path)
+        self.tokenizer = Tokenizer.from_pretrained(model_path)
+        stats = {"running": 0, "waiting": 0, "swapped": 0, "free_pages": 1, "free_slots": 1, "num_failed_requests": 0,
+                 "num_compiles": 0, "num_aborted": {}}
+        self.engine = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size),
+                                            num_pages=1, slots=types.SimpleNamespace(capacity=1), stats=lambda: stats,
+                                            speculative=None)
+        self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
+        self.replies, self.prompts = [], []
+
+    async def offload(self, fn, *args):
+        return fn(*args)
+
+    def abort_nowait(self, request_id, reason="abort"):
+        pass
+
+    async def add_request_async(self, prompt, params, request_id=None):
+        self.prompts.append(prompt)
+        text, queue = self.replies.pop(0), asyncio.Queue()
+        prompt_ids = self.tokenizer.encode(prompt)
+        pieces = [text[i:i + 3] for i in range(0, len(text), 3)]
+        for i, piece in enumerate(pieces):
+            last = i == len(pieces) - 1
+            outs = [CompletionOutput(k, piece, [1], "stop" if last else None) for k in range(params.n)]
+            queue.put_nowait(RequestOutput(request_id, prompt, prompt_ids, outs, last))
+        queue.put_nowait(FINISHED)
+        return None, queue
+
+
+def _checkpoint(tmp_path, template):
+    shutil.copy(os.path.join(default_model_path(), "tokenizer.json"), tmp_path / "tokenizer.json")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    shutil.copy(os.path.join(TEMPLATES, template), tmp_path / "chat_template.jinja")
+    return str(tmp_path)
+
+
+@pytest.fixture(params=["qwen3.jinja", "qwen3_xml.jinja"])
+def served(request, tmp_path):
+    import uvicorn
+    from openai import OpenAI
+
+    from atlas_jax.server.app import build_app
+    engine = ScriptedEngine(_checkpoint(tmp_path, request.param))
+    app = build_app(engine, served_model_name="m")
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    reply = JSON_REPLY if request.param == "qwen3.jinja" else XML_REPLY
+    yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), engine, app, reply
+    server.should_exit = True
+    thread.join(10)
+
+
+def _ask(client, stream, **kw):
+    return client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                          tools=TOOLS, stream=stream, **kw)
+
+
+def test_formats_detected_from_the_template(served):
+    _, _, app, reply = served
+    assert app.state.tool_format == ("qwen3_json" if reply is JSON_REPLY else "qwen3_xml")
+    assert app.state.reasoning == "qwen3"
+
+
+def test_tool_calls_whole(served):
+    client, engine, _, reply = served
+    engine.replies.append(reply)
+    r = _ask(client, False)
+    msg, choice = r.choices[0].message, r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in msg.tool_calls]
+    assert calls[0] == ("get_weather", {"city": "Paris", "days": 2})
+    assert len(calls) == (2 if reply is JSON_REPLY else 1)
+    assert msg.model_extra["reasoning_content"].strip() == "The user wants the weather."
+    assert msg.content == ("Let me check." if reply is JSON_REPLY else None)
+    assert all(c.id.startswith("call_") and c.type == "function" for c in msg.tool_calls)
+
+
+def test_tool_calls_streamed(served):
+    client, engine, _, reply = served
+    engine.replies.append(reply)
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in _ask(client, True):
+        d = chunk.choices[0].delta
+        content += d.content or ""
+        reasoning += (d.model_extra or {}).get("reasoning_content") or ""
+        for tc in d.tool_calls or []:
+            entry = calls.setdefault(tc.index, {"name": "", "arguments": "", "id": None})
+            entry["id"] = entry["id"] or tc.id
+            entry["name"] += tc.function.name or ""
+            entry["arguments"] += tc.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    assert finish == "tool_calls"
+    assert reasoning.strip() == "The user wants the weather."
+    assert content == ("Let me check." if reply is JSON_REPLY else "")
+    assert (calls[0]["name"], json.loads(calls[0]["arguments"])) == ("get_weather", {"city": "Paris", "days": 2})
+    assert sorted(calls) == list(range(2 if reply is JSON_REPLY else 1))
+
+
+def test_tool_choice_none_parses_nothing_and_parallel_false_keeps_one(served):
+    client, engine, _, reply = served
+    engine.replies += [reply, reply]
+    r = _ask(client, False, tool_choice="none")
+    assert r.choices[0].message.tool_calls is None and "<tool_call>" in r.choices[0].message.content
+    assert r.choices[0].finish_reason == "stop"
+    r = _ask(client, False, parallel_tool_calls=False)
+    assert len(r.choices[0].message.tool_calls) == 1
+
+
+def test_forced_tool_choice_writes_the_call_opening(served):
+    """tool_choice "required" / a named function: the server writes the start of the call after the
+    generation prompt (closing an opened <think> first); the model's text continues it."""
+    client, engine, _, reply = served
+    xml = reply is XML_REPLY
+    engine.replies.append("<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n</function>\n</tool_call>"
+                          if xml else '{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>')
+    r = _ask(client, False, tool_choice="required")
+    assert engine.prompts[-1].endswith("</think>\n\n<tool_call>\n" if xml else "<tool_call>\n")
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Rome"}
+    engine.replies.append("<parameter=city>\nLima\n</parameter>\n</function>\n</tool_call>" if xml
+                          else '{"city": "Lima"}}\n</tool_call>')
+    r = _ask(client, False, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert engine.prompts[-1].endswith("<function=get_weather>\n" if xml else '"arguments": ')
+    assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Lima"}
+
+
+def test_bad_tool_choice_is_a_400_naming_the_field(served):
+    import openai
+    client, _, _, _ = served
+    for choice in ({"type": "function", "function": {"name": "nope"}}, {"type": "x"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            _ask(client, False, tool_choice=choice)
+        assert e.value.body["param"] == "tool_choice"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required")
+    assert e.value.body["param"] == "tool_choice"
