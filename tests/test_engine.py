@@ -7,7 +7,7 @@ from conftest import random_prompts
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.runner import RowInput
-from atlas_jax.engine.sampler import MAX_LOGIT_BIAS, NO_BIAS, SamplingBatch, sample
+from atlas_jax.engine.sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, sample
 
 
 def sampling_batch(**cols):
@@ -16,9 +16,9 @@ def sampling_batch(**cols):
     n = len(next(iter(cols.values())))
     defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
                     frequency_penalty=0.0, num_logprobs=-1, seed=0, step=0, slot=0,
-                    bias_ids=[NO_BIAS] * MAX_LOGIT_BIAS, bias=[0.0] * MAX_LOGIT_BIAS)
+                    bias_ids=[NO_BIAS] * BIAS_COLUMNS, bias=[0.0] * BIAS_COLUMNS, bias_only=False)
     dtypes = dict(top_k=jnp.int32, num_logprobs=jnp.int32, seed=jnp.uint32, step=jnp.int32, slot=jnp.int32,
-                  bias_ids=jnp.int32)
+                  bias_ids=jnp.int32, bias_only=jnp.bool_)
     return SamplingBatch(**{k: jnp.asarray(np.asarray(cols.get(k, [d] * n)), dtypes.get(k, jnp.float32))
                             for k, d in defaults.items()})
 

@@ -127,3 +127,42 @@ def test_logit_bias(default_llm):
     assert mixed[0].outputs[0].token_ids == [7] * 6 and mixed[1].outputs[0].token_ids == plain[1]
     sampled = llm.generate(prompts[1], SamplingParams(max_tokens=5, temperature=1.0, seed=3, logit_bias={9: 100.0}))
     assert sampled[0].outputs[0].token_ids == [9] * 5
+
+
+def test_allowed_token_ids_min_tokens_bad_words_truncate(default_llm):
+    """vLLM's extra sampling fields. allowed_token_ids: every sampled token is in the set and greedy takes
+    the argmax inside it; min_tokens: EOS and stop tokens are banned until then (a row forced to EOS ends
+    right after min_tokens); bad_words: a greedy row never completes the word; truncate_prompt_tokens:
+    the same output as the prompt's tail alone."""
+    llm = default_llm
+    eos = llm.cfg.eos_token_ids[0]
+    prompt = random_prompts(llm.cfg.vocab_size, [24], seed=31)[0]
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    allowed = [3, 50, 77, 120]
+    out = llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=5, allowed_token_ids=allowed))
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    last = llm.prompt_logits(prompt)[-1]
+    first = llm.generate(prompt, SamplingParams(max_tokens=1, allowed_token_ids=allowed, **greedy))
+    assert first[0].outputs[0].token_ids[0] == allowed[int(np.argmax(last[allowed]))]
+
+    to_eos = dict(max_tokens=10, temperature=0.0, logit_bias={eos: 100.0})
+    assert len(llm.generate(prompt, SamplingParams(**to_eos))[0].outputs[0].token_ids) == 1
+    held = llm.generate(prompt, SamplingParams(min_tokens=4, **to_eos))[0].outputs[0]
+    assert len(held.token_ids) == 5 and held.token_ids[-1] == eos and eos not in held.token_ids[:4]
+    assert held.finish_reason == "stop"
+    stop7 = llm.generate(prompt, SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, min_tokens=3,
+                                                logit_bias={7: 100.0}, stop_token_ids=[7]))[0].outputs[0]
+    assert stop7.token_ids[-1] == 7 and len(stop7.token_ids) == 4 and stop7.stop_reason == 7
+
+    plain = llm.generate(prompt, SamplingParams(max_tokens=8, **greedy))[0].outputs[0].token_ids
+    words = [llm.tokenizer.decode(plain[i:i + 2]) for i in range(len(plain) - 1)]
+    word = next(w for i, w in enumerate(words) if llm.tokenizer.encode(w) == plain[i:i + 2])   # round-trips
+    banned = llm.engine._bad_word_ids([word])
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, bad_words=[word], **greedy))[0].outputs[0].token_ids
+    assert out != plain
+    for w in banned:
+        assert all(tuple(out[i:i + len(w)]) != w for i in range(len(out)))
+
+    tail = llm.generate(prompt[-10:], SamplingParams(max_tokens=6, **greedy))[0]
+    cut = llm.generate(prompt, SamplingParams(max_tokens=6, truncate_prompt_tokens=10, **greedy))[0]
+    assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids

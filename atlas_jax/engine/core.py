@@ -20,6 +20,7 @@ from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner, RowInput
+from .sampler import BIAS_COLUMNS
 from .sampling_params import SamplingParams, _is_int
 from .scheduler import ScheduledStep, Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
@@ -130,6 +131,9 @@ class EngineCore:
         text, ids = self.encode(prompt)
         if not ids:
             raise InvalidRequestError("prompt is empty", "prompt")
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[len(ids) - params.truncate_prompt_tokens:]
+            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
         room = self.max_model_len - len(ids)
         if room < 1:
             raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
@@ -141,6 +145,13 @@ class EngineCore:
                 "max_tokens")
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
         self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
+        self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
+        bad_words = self._bad_word_ids(params.bad_words)
+        width = (len(params.logit_bias) + len(params.allowed_token_ids or ()) + len(bad_words)
+                 + (len(params.stop_token_ids) + len(self.cfg.eos_token_ids) if params.min_tokens else 0))
+        if width > BIAS_COLUMNS:
+            raise InvalidRequestError(f"logit_bias, allowed_token_ids, bad_words and (with min_tokens) stop_token_ids "
+                                      f"together adjust {width} tokens; at most {BIAS_COLUMNS}", "logit_bias")
         max_len = len(ids) + (room if params.max_tokens is None else params.max_tokens)
         if self.blocks.pages_for(max_len) > self.num_pages:
             raise InvalidRequestError(f"request needs {self.blocks.pages_for(max_len)} KV pages of "
@@ -151,11 +162,19 @@ class EngineCore:
             detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
                                             params.include_stop_str_in_output) if self.tokenizer is not None else None)
             seqs.append(Sequence(request_id=request_id, prompt=text, prompt_ids=ids, params=params, seed=seed,
-                                 max_len=max_len, order=next(self._order), detok=detok))
+                                 max_len=max_len, order=next(self._order), detok=detok,
+                                 eos_ids=tuple(self.cfg.eos_token_ids), bad_word_ids=bad_words))
         req = Request(request_id, text, ids, params, seqs)
         for s in seqs:
             s.request = req
         return req
+
+    def _bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
+        """Each bad word's token ids, alone and after a space (as vLLM: both spellings a model may use)."""
+        if words and self.tokenizer is None:
+            raise InvalidRequestError("bad_words needs a tokenizer", "bad_words")
+        out = {tuple(self.tokenizer.encode(v)) for w in words for v in (w, " " + w.lstrip())}
+        return tuple(sorted(t for t in out if t))
 
     def submit(self, req: Request) -> None:
         """Queue a request built by make_request (engine thread only)."""
@@ -277,7 +296,8 @@ class EngineCore:
         end = seq.num_cached + n
         row = RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
-                       state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1)
+                       state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
+                       logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False))
         k = self.runner.mtp_drafts
         if k and end == seq.num_tokens and wants_drafts(seq):
             need = seq.num_cached + (fed or n) + k - 1          # the MTP head writes KV up to the last draft

@@ -25,9 +25,10 @@ class IncrementalDetokenizer:
     def _decode(self, ids) -> str:
         return self._tok.decode(ids, skip_special_tokens=self._skip)
 
-    def update(self, ids: list[int]) -> bool:
+    def update(self, ids: list[int], match: bool = True) -> bool:
         """ids: all output tokens so far. Appends their new text; returns True when a stop
-        string completed (text is then cut before it, or after it with include_stop)."""
+        string completed in it (text is then cut before it, or after it with include_stop).
+        match=False: stop strings are not looked for in this text (before min_tokens)."""
         if self._tok is None or self.stop_reason is not None:
             return False
         prefix_text = self._decode(ids[self._prefix:self._read])
@@ -37,7 +38,7 @@ class IncrementalDetokenizer:
         searched_from = max(0, len(self.text) - self._holdback)
         self.text += new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(ids)
-        return self._match(searched_from)
+        return match and self._match(searched_from)
 
     def flush(self, ids: list[int]) -> None:
         """At finish: append whatever is still pending (even an incomplete character)."""

@@ -26,7 +26,7 @@ from ..kernels import XLA, Kernels
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_state
 from . import steps
-from .sampler import MAX_LOGIT_BIAS, NO_BIAS, SamplingBatch, init_penalty_state
+from .sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
 from .steps import EngineState
 
@@ -47,6 +47,7 @@ class RowInput:
     state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
     next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
     draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
+    logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -171,12 +172,14 @@ class ModelRunner:
 
     @staticmethod
     def _bias_columns(rows) -> dict:
-        ids = np.full((len(rows), MAX_LOGIT_BIAS), NO_BIAS, np.int32)
-        bias = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
+        ids = np.full((len(rows), BIAS_COLUMNS), NO_BIAS, np.int32)
+        bias = np.zeros((len(rows), BIAS_COLUMNS), np.float32)
+        only = np.zeros((len(rows),), bool)
         for i, r in enumerate(rows):
-            for j, (t, v) in enumerate(r.params.logit_bias):
+            adjust, only[i] = r.logit_adjust
+            for j, (t, v) in enumerate(list(adjust.items())[:BIAS_COLUMNS]):
                 ids[i, j], bias[i, j] = t, v
-        return {"bias_ids": jnp.asarray(ids), "bias": jnp.asarray(bias)}
+        return {"bias_ids": jnp.asarray(ids), "bias": jnp.asarray(bias), "bias_only": jnp.asarray(only)}
 
     def _executable(self, kind: str, args):
         """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
@@ -367,7 +370,8 @@ class ModelRunner:
             f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
             sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
                                      jax.ShapeDtypeStruct((b,), jnp.uint32), i32(b), i32(b),
-                                     i32(b, MAX_LOGIT_BIAS), jax.ShapeDtypeStruct((b, MAX_LOGIT_BIAS), jnp.float32))
+                                     i32(b, BIAS_COLUMNS), jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32),
+                                     jax.ShapeDtypeStruct((b,), jnp.bool_))
             args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
             if kind == "verify":
                 args += (i32(*shape[0]),)

@@ -23,7 +23,9 @@ import jax
 import jax.numpy as jnp
 
 MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 128     # logit_bias entries per request: a [B, MAX_LOGIT_BIAS] sparse column per step
+MAX_LOGIT_BIAS = 128     # logit_bias entries per request
+MAX_ALLOWED_TOKENS = 256  # allowed_token_ids per request
+BIAS_COLUMNS = 512       # per-step logit adjustments per row (logit_bias, allowed ids, min_tokens / bad_words bans)
 NO_BIAS = 2**31 - 1      # bias_ids padding: out of any vocabulary, dropped by the scatter
 
 
@@ -41,8 +43,9 @@ class SamplingBatch:
     seed: jax.Array                # [B] u32
     step: jax.Array                # [B] i32 tokens sampled so far by the row's request
     slot: jax.Array                # [B] i32 the row's penalty-history slot (num_slots for padding)
-    bias_ids: jax.Array            # [B, MAX_LOGIT_BIAS] i32 logit_bias token ids (NO_BIAS = none)
-    bias: jax.Array                # [B, MAX_LOGIT_BIAS] f32 added to those tokens' logits
+    bias_ids: jax.Array            # [B, BIAS_COLUMNS] i32 adjusted token ids (NO_BIAS = none)
+    bias: jax.Array                # [B, BIAS_COLUMNS] f32 added to those tokens' logits (-inf bans)
+    bias_only: jax.Array           # [B] bool: every token not in bias_ids is banned (allowed_token_ids)
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +95,8 @@ def _apply_penalties(logits, s: SamplingBatch, ps: PenaltyState):
 
 def _apply_bias(logits, s: SamplingBatch):
     rows = jnp.arange(logits.shape[0])[:, None]
+    listed = jnp.zeros(logits.shape, bool).at[rows, s.bias_ids].set(True, mode="drop")
+    logits = jnp.where(s.bias_only[:, None] & ~listed, -jnp.inf, logits)
     return logits.at[rows, s.bias_ids].add(s.bias, mode="drop")
 
 

@@ -14,7 +14,7 @@ import numbers
 import numpy as np
 
 from .errors import InvalidRequestError
-from .sampler import MAX_LOGIT_BIAS, MAX_LOGPROBS
+from .sampler import MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 INT32_MAX = 2**31 - 1
@@ -22,6 +22,7 @@ MAX_N = 128                     # completions per prompt
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
+MAX_BAD_WORDS = 64
 SEED_RANGE = (-2**63, 2**63)    # int64, as vLLM; folded to the uint32 RNG seed
 
 
@@ -53,6 +54,10 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()   # (token id, bias in [-100, 100]); a dict is accepted
     skip_special_tokens: bool = True
     output_kind: str = "cumulative"     # what AsyncLLM streams: cumulative, delta, final_only
+    min_tokens: int = 0                 # no EOS / stop token / stop string before this many tokens
+    bad_words: tuple[str, ...] = ()     # never generated (each word's last token banned after its prefix)
+    allowed_token_ids: tuple[int, ...] | None = None   # only these may be sampled
+    truncate_prompt_tokens: int | None = None          # keep only the prompt's last k tokens
 
     def __post_init__(self):
         def bad(field, allowed):
@@ -110,6 +115,25 @@ class SamplingParams:
                                                     and -100.0 <= v <= 100.0 for t, v in bias)):
             bad("logit_bias", f"up to {MAX_LOGIT_BIAS} entries {{token id: bias in [-100, 100]}}")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
+        integer("min_tokens", 0, self.max_tokens or INT32_MAX, "an integer in [0, max_tokens]")
+        words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
+        if not (isinstance(words, (tuple, list)) and len(words) <= MAX_BAD_WORDS
+                and all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_STRING_CHARS for w in words)):
+            bad("bad_words", f"a list of up to {MAX_BAD_WORDS} non-blank strings of <= {MAX_STOP_STRING_CHARS} characters")
+        object.__setattr__(self, "bad_words", tuple(words))
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not (isinstance(ids, (tuple, list)) and 0 < len(ids) <= MAX_ALLOWED_TOKENS
+                    and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
+                bad("allowed_token_ids", f"None or a list of 1 to {MAX_ALLOWED_TOKENS} token ids")
+            object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
+        if self.truncate_prompt_tokens is not None:
+            integer("truncate_prompt_tokens", 1, INT32_MAX, "None or an integer >= 1")
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Some step of this request adds to or bans logits (sampler's bias columns)."""
+        return bool(self.logit_bias or self.bad_words or self.min_tokens or self.allowed_token_ids is not None)
 
     @property
     def penalised(self) -> bool:

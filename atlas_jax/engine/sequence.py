@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import time
 
 from .detokenizer import IncrementalDetokenizer
@@ -71,6 +72,8 @@ class Sequence:
     error: str | None = None
     metrics: RequestMetrics = None             # set in __post_init__
     request: object = None                     # the engine's Request this sequence belongs to
+    eos_ids: tuple[int, ...] = ()              # the model's end tokens (banned before min_tokens)
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words tokenized (each with and without a leading space)
 
     def __post_init__(self):
         if self.metrics is None:
@@ -115,14 +118,31 @@ class Sequence:
             self.logprobs.append(logprobs)
             self.cumulative_logprob += logprobs[token]
         p = self.params
-        if self.detok is not None and self.detok.update(self.output_ids):
+        early = len(self.output_ids) < p.min_tokens                 # no stop of any kind before min_tokens
+        if self.detok is not None and self.detok.update(self.output_ids, match=not early):
             self.finish("stop", self.detok.stop_reason)
-        elif token in p.stop_token_ids:
+        elif token in p.stop_token_ids and not early:
             self.finish("stop", token)
         elif not p.ignore_eos and token in eos_ids:
             self.finish("stop", None)
         elif self.num_tokens >= self.max_len:          # max_tokens or max_model_len
             self.finish("length")
+
+    def logit_adjustments(self) -> tuple[dict[int, float], bool]:
+        """This step's {token id: added logit} (-inf bans) and whether only those ids may be sampled:
+        logit_bias, allowed_token_ids, the stop tokens before min_tokens, bad_words completions."""
+        p = self.params
+        adjust = dict(p.logit_bias)
+        for t in p.allowed_token_ids or ():
+            adjust.setdefault(t, 0.0)
+        if len(self.output_ids) < p.min_tokens:
+            for t in p.stop_token_ids + (() if p.ignore_eos else self.eos_ids):
+                adjust[t] = -math.inf
+        out = self.output_ids
+        for word in self.bad_word_ids:
+            if len(word) == 1 or (len(out) >= len(word) - 1 and tuple(out[len(out) - len(word) + 1:]) == word[:-1]):
+                adjust[word[-1]] = -math.inf
+        return adjust, p.allowed_token_ids is not None
 
     def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
         if self.finished:

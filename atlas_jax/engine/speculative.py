@@ -73,10 +73,10 @@ class SpeculativeConfig:
 
 
 def wants_drafts(seq: Sequence) -> bool:
-    """Rows whose token needs penalties, logit_bias or logprobs are decoded plainly (sampler.verify
-    applies none of them)."""
+    """Rows whose token needs penalties, logit adjustments (logit_bias, allowed_token_ids, bad_words,
+    min_tokens) or logprobs are decoded plainly (sampler.verify applies none of them)."""
     p = seq.params
-    return p.logprobs is None and not p.penalised and not p.logit_bias
+    return p.logprobs is None and not p.penalised and not p.adjusts_logits
 
 
 class Proposer:

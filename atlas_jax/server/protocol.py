@@ -49,6 +49,10 @@ class _Sampling(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None      # {"token id": bias in [-100, 100]}
+    min_tokens: int = Field(0, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -68,7 +72,10 @@ class _Sampling(BaseModel):
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty, seed=self.seed,
             stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(), output_kind="delta")
+            skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(), output_kind="delta",
+            min_tokens=self.min_tokens, bad_words=tuple(self.bad_words or ()),
+            allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
+            truncate_prompt_tokens=self.truncate_prompt_tokens)
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}
