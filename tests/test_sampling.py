@@ -166,3 +166,16 @@ def test_allowed_token_ids_min_tokens_bad_words_truncate(default_llm):
     tail = llm.generate(prompt[-10:], SamplingParams(max_tokens=6, **greedy))[0]
     cut = llm.generate(prompt, SamplingParams(max_tokens=6, truncate_prompt_tokens=10, **greedy))[0]
     assert cut.prompt_token_ids == prompt[-10:] and cut.outputs[0].token_ids == tail.outputs[0].token_ids
+
+
+def test_stop_token_text_left_out_unless_asked(default_llm):
+    """A stop_token_ids hit ends the output without the token's text; include_stop_str_in_output keeps it
+    (as vLLM). The token id itself is always in token_ids."""
+    llm = default_llm
+    prompt = random_prompts(llm.cfg.vocab_size, [12], seed=41)[0]
+    tok = next(t for t in range(300, 400) if llm.tokenizer.decode([t]).isalpha())
+    args = dict(max_tokens=5, temperature=0.0, ignore_eos=True, logit_bias={tok: 100.0}, stop_token_ids=[tok])
+    out = llm.generate(prompt, SamplingParams(**args))[0].outputs[0]
+    assert out.token_ids == [tok] and out.text == "" and out.stop_reason == tok
+    kept = llm.generate(prompt, SamplingParams(include_stop_str_in_output=True, **args))[0].outputs[0]
+    assert kept.text == llm.tokenizer.decode([tok])

@@ -119,12 +119,16 @@ class Sequence:
             self.cumulative_logprob += logprobs[token]
         p = self.params
         early = len(self.output_ids) < p.min_tokens                 # no stop of any kind before min_tokens
-        if self.detok is not None and self.detok.update(self.output_ids, match=not early):
+        stop_token = token in p.stop_token_ids and not early
+        eos = not p.ignore_eos and token in eos_ids
+        # A stop token's (or EOS's) own text stays out of the output unless include_stop_str_in_output.
+        shown = self.output_ids[:-1] if (stop_token or eos) and not p.include_stop_str_in_output else self.output_ids
+        if self.detok is not None and self.detok.update(shown, match=not early):
             self.finish("stop", self.detok.stop_reason)
-        elif token in p.stop_token_ids and not early:
-            self.finish("stop", token)
-        elif not p.ignore_eos and token in eos_ids:
-            self.finish("stop", None)
+        elif stop_token:
+            self.finish("stop", token, text_ids=shown)
+        elif eos:
+            self.finish("stop", None, text_ids=shown)
         elif self.num_tokens >= self.max_len:          # max_tokens or max_model_len
             self.finish("length")
 
@@ -144,14 +148,15 @@ class Sequence:
                 adjust[word[-1]] = -math.inf
         return adjust, p.allowed_token_ids is not None
 
-    def finish(self, reason: str, stop_reason=None, error: str | None = None) -> None:
+    def finish(self, reason: str, stop_reason=None, error: str | None = None, text_ids=None) -> None:
+        """text_ids: the tokens whose text the output shows (default: all outputs)."""
         if self.finished:
             return
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
         self.status = Status.FINISHED
         self.metrics.finished_time = time.monotonic()
         if self.detok is not None:
-            self.detok.flush(self.output_ids)
+            self.detok.flush(self.output_ids if text_ids is None else text_ids)
 
     @property
     def text(self) -> str:
