@@ -145,3 +145,18 @@ def test_xml_template_tool_round_trip_over_http(tmp_path, default_llm):
             assert r.json()["tokens"] == hf(ref, add_special_tokens=False)["input_ids"]
     finally:
         engine.shutdown()
+
+
+def test_llm_chat_renders_then_generates(default_llm):
+    """LLM.chat (vLLM's offline chat): the checkpoint's template, one conversation or several; the same
+    tokens as generate() on the rendered prompt."""
+    from atlas_jax import SamplingParams
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    chats = [CHATS["simple"], CHATS["multi_turn_reasoning"]]
+    rendered = [ChatTemplate.for_model(default_llm.model_path).render(c) for c in chats]
+    one = default_llm.chat(chats[0], params)
+    both = default_llm.chat(chats, params)
+    ref = default_llm.generate(rendered, params)
+    assert one[0].prompt == rendered[0] and len(both) == 2
+    assert [o.outputs[0].token_ids for o in both] == [o.outputs[0].token_ids for o in ref]
+    assert one[0].outputs[0].token_ids == ref[0].outputs[0].token_ids

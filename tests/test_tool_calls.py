@@ -175,3 +175,12 @@ def test_bad_tool_choice_is_a_400_naming_the_field(served):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "x"}], tool_choice="required")
     assert e.value.body["param"] == "tool_choice"
+
+
+def test_usage_details_and_stop_reason(served):
+    client, engine, _, reply = served
+    engine.replies.append("Just text.")
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}])
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert "stop_reason" in r.choices[0].model_extra and r.choices[0].finish_reason == "stop"

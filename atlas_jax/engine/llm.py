@@ -75,6 +75,7 @@ class LLM:
             from ..default_model import default_model_path
             model = default_model_path()
         self.model_path = os.fspath(model)
+        self._chat_template = None
         self.cfg = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(dtype)
@@ -126,6 +127,23 @@ class LLM:
                 self.engine.abort(r.request_id)
             raise
         return [r.output("cumulative") for r in reqs]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             tools: list[dict] | None = None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False):
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content", ...} messages) or a list of
+        them, rendered with the checkpoint's chat template as transformers renders it (chat_template:
+        a file or template text to use instead), then generated. sampling_params default: max_tokens
+        None (the rest of the context). Returns one RequestOutput per conversation."""
+        from ..server.chat import ChatTemplate
+        if self._chat_template is None or chat_template is not None:
+            self._chat_template = ChatTemplate.for_model(self.model_path, chat_template)
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self._chat_template.render(list(c), add_generation_prompt and not continue_final_message,
+                                              tools=tools, continue_final_message=continue_final_message,
+                                              **(chat_template_kwargs or {})) for c in conversations]
+        return self.generate(prompts, sampling_params or SamplingParams(max_tokens=None))
 
     # ---- scoring ----------------------------------------------------------------------------
     def prompt_logits(self, prompt, chunk: int | None = None) -> np.ndarray:

@@ -328,8 +328,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 if body.stream_options and body.stream_options.include_usage:
                     p = sum(usage["prompt"].values())
                     yield sse({"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
-                               "choices": [], "usage": {"prompt_tokens": p, "completion_tokens": usage["completion"],
-                                                        "total_tokens": p + usage["completion"]}})
+                               "choices": [], "usage": _usage(p, usage["completion"])})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
@@ -356,7 +355,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                                 "stop_reason": stop_reason.get(k)})
             p, c = sum(prompt_len.values()), sum(len(v) for v in ids.values())
             return {"id": rid, "object": "text_completion", "created": created, "model": served_model_name,
-                    "choices": choices, "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}}
+                    "choices": choices, "usage": _usage(p, c)}
         return await engine.offload(body_of_completion)
 
     @app.post("/v1/chat/completions")
@@ -432,17 +431,17 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                    "model": served_model_name,
                                    "choices": [{"index": c.index, "delta": delta, "logprobs": chat_logprobs(c),
-                                                "finish_reason": _chat_finish(c.finish_reason, made)}]})
+                                                "finish_reason": _chat_finish(c.finish_reason, made),
+                                                "stop_reason": c.stop_reason}]})
                     _observe(out)
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({"id": rid, "object": "chat.completion.chunk", "created": created,
                                "model": served_model_name, "choices": [],
-                               "usage": {"prompt_tokens": prompt_len, "completion_tokens": completion,
-                                         "total_tokens": prompt_len + completion}})
+                               "usage": _usage(prompt_len, completion)})
                 yield "data: [DONE]\n\n"
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
-        texts, ids, lps, finish, prompt_len = {}, {}, {}, {}, 0
+        texts, ids, lps, finish, stop_reason, prompt_len = {}, {}, {}, {}, {}, 0
         async for _, out in until_disconnect(request, items):
             prompt_len = len(out.prompt_token_ids)
             for c in out.outputs:
@@ -451,7 +450,7 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 if c.logprobs is not None:
                     lps[c.index] = lps.get(c.index, []) + c.logprobs
                 if c.finished:
-                    finish[c.index] = c.finish_reason
+                    finish[c.index], stop_reason[c.index] = c.finish_reason, c.stop_reason
             _observe(out)
 
         def message(text):
@@ -470,11 +469,10 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
                 msg, calls = message(texts[i])
                 choices.append({"index": i, "message": msg, "logprobs": chat_logprobs(
                     CompletionOutput(i, texts[i], ids[i], finish.get(i), logprobs=lps[i])) if i in lps else None,
-                    "finish_reason": _chat_finish(finish.get(i), calls)})
+                    "finish_reason": _chat_finish(finish.get(i), calls), "stop_reason": stop_reason.get(i)})
             c = sum(len(v) for v in ids.values())
             return {"id": rid, "object": "chat.completion", "created": created, "model": served_model_name,
-                    "choices": choices, "usage": {"prompt_tokens": prompt_len, "completion_tokens": c,
-                                                  "total_tokens": prompt_len + c}}
+                    "choices": choices, "usage": _usage(prompt_len, c)}
         return await engine.offload(body_of_chat)
 
     def _observe(out):
@@ -491,6 +489,12 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
 MAX_PROMPTS = 64                    # prompts in one /v1/completions request
 DISCONNECT_POLL_S = 0.25            # how often a non-streaming request checks that its client is still there
 _ROUTES = {"/health", "/metrics", "/v1/models", "/tokenize", "/detokenize", "/v1/completions", "/v1/chat/completions"}
+
+
+def _usage(prompt: int, completion: int) -> dict:
+    """OpenAI's usage object (no prefix cache yet: no prompt token is served from cache)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def _chat_finish(reason, calls):
