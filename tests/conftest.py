@@ -1,5 +1,8 @@
+import contextlib
 import os
 import sys
+import threading
+import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models (the torch oracle) by name
@@ -35,3 +38,19 @@ def default_llm(tmp_path_factory):
     from atlas_jax import LLM
     return LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
                max_num_batched_tokens=128, warmup=True, progress=False)
+
+
+@contextlib.contextmanager
+def serving(app):
+    """uvicorn serving `app` in a thread on a free loopback port (real sockets); yields the port."""
+    import uvicorn
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.02)
+    try:
+        yield server.servers[0].sockets[0].getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(30)

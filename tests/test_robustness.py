@@ -5,7 +5,6 @@ hypothesis fuzz of both APIs. The HTTP tests run uvicorn in a thread on the shar
 sockets, no extra compiles)."""
 import http.client
 import json
-import threading
 import time
 
 import httpx
@@ -13,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import random_prompts
+from conftest import random_prompts, serving
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.errors import InvalidRequestError
@@ -118,23 +117,13 @@ BODY_LIMIT = 1 << 20
 
 @pytest.fixture(scope="module")
 def live(default_llm):
-    import uvicorn
-
     from atlas_jax.engine.async_llm import AsyncLLM
     from atlas_jax.server.app import build_app
     engine = AsyncLLM.from_llm(default_llm)
     app = build_app(engine, served_model_name="tiny", api_key=KEY, max_body_bytes=BODY_LIMIT)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers={"Authorization": f"Bearer {KEY}"},
-                      timeout=60) as client:
+    with serving(app) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}",
+                                            headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as client:
         yield client, engine, port
-    server.should_exit = True
-    thread.join(30)
     engine.shutdown()
 
 

@@ -9,11 +9,10 @@ import asyncio
 import json
 import os
 import shutil
-import threading
-import time
 import types
 
 import pytest
+from conftest import serving
 
 from atlas_jax.default_model import default_model_path
 from atlas_jax.engine.async_llm import FINISHED
@@ -74,22 +73,14 @@ def _checkpoint(tmp_path, template):
 
 @pytest.fixture(params=["qwen3.jinja", "qwen3_xml.jinja"])
 def served(request, tmp_path):
-    import uvicorn
     from openai import OpenAI
 
     from atlas_jax.server.app import build_app
     engine = ScriptedEngine(_checkpoint(tmp_path, request.param))
     app = build_app(engine, served_model_name="m")
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
     reply = JSON_REPLY if request.param == "qwen3.jinja" else XML_REPLY
-    yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), engine, app, reply
-    server.should_exit = True
-    thread.join(10)
+    with serving(app) as port:
+        yield OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x"), engine, app, reply
 
 
 def _ask(client, stream, **kw):

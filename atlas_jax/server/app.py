@@ -364,7 +364,8 @@ def build_app(engine: AsyncLLM, *, served_model_name: str, api_key: str | None =
         check_model(body.model)
         check_capacity()
         top = (body.top_logprobs or 0) if body.logprobs else None
-        params = body.sampling_params(body.max_completion_tokens or body.max_tokens, top)
+        cap = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        params = body.sampling_params(cap, top)
         prompt = await engine.offload(render_chat, body)
         fmt = tool_format if body.tools and body.tool_choice != "none" else "none"
         if fmt == "none" and body.tool_choice not in (None, "none", "auto"):

@@ -1,10 +1,10 @@
 """OpenAI request bodies (pydantic, strict types) and their mapping onto SamplingParams.
 
-Types are strict, as OpenAI's API is: "0.5" is not a number, true is not an integer. Ranges follow
-OpenAI's documentation (temperature [0, 2], top_p (0, 1], penalties [-2, 2], n <= 16); vLLM's
-extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids, ...) are accepted too. The
-rest of the bounds (integer widths, stop list sizes, max_tokens against the context) are
-SamplingParams' and EngineCore's, so `LLM` users get the same errors. A violation is a 400 in
+Types are strict, as OpenAI's API is: "0.5" is not a number, true is not an integer. Value ranges
+have one source, SamplingParams (and EngineCore for what needs the model: max_tokens against the
+context, ids against the vocabulary), so `LLM` users and HTTP clients get the same bounds and the
+same errors; vLLM's extras (top_k, min_p, repetition_penalty, ignore_eos, stop_token_ids,
+min_tokens, bad_words, allowed_token_ids, ...) are accepted too. A violation is a 400 in
 OpenAI's error format naming the field (app.py). Unknown fields are ignored, as OpenAI and vLLM
 do; fields we accept but cannot honour are refused rather than silently dropped.
 """
@@ -29,30 +29,30 @@ class StreamOptions(BaseModel):
 class _Sampling(BaseModel):
     model_config = STRICT
     model: str | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=16)
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: Union[str, list[str], None] = None
     seed: int | None = None
-    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     user: str | None = None
     # vLLM extras
     top_k: int = -1
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0)
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     logit_bias: dict[str, float] | None = None      # {"token id": bias in [-100, 100]}
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = 0
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
-    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    truncate_prompt_tokens: int | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -88,7 +88,7 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
 
@@ -169,9 +169,9 @@ def _arguments_as_object(call):
 
 
 class ChatCompletionRequest(_Chat, _Sampling):
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = None
     tool_choice: Union[Literal["none", "auto", "required"], dict, None] = None
     parallel_tool_calls: bool = True
 
