@@ -33,9 +33,9 @@ MODELS = {
     "Qwen3.5-27B": ((24, 4, 256), (16, 48, 128, 128)),       # group of 6, value/key head ratio 3
     "atlas-tiny": ((4, 2, 32), (2, 4, 32, 32)),              # the embedded default model
 }
-DECODE_BATCHES = (1, 32, 128)
+DECODE_BATCHES = (1, 128)
 VERIFY_K = tuple(range(2, 9))
-PREFILL = ((1, 16), (4, 64), (1, 256), (4, 256), (1, 2048))  # (rows, chunk tokens)
+PREFILL = ((1, 16), (1, 256), (4, 256), (1, 2048))  # (rows, chunk tokens)
 PAGE_SIZE, NUM_PAGES, MAX_PAGES = 16, 4096, 256
 
 

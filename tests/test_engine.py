@@ -134,7 +134,6 @@ def test_sampled_row_independent_of_neighbours_path():
     """A temperature-only row draws the same token whether its neighbour is greedy (no mask
     built) or uses top-k / top-p (mask built for the batch)."""
     import jax
-    import jax.numpy as jnp
     logits = jax.random.normal(jax.random.PRNGKey(0), (2, 300)) * 3
     def batch(t1, k1, p1, step):
         return sampling_batch(temperature=[0.8, t1], top_k=[0, k1], top_p=[1.0, p1], seed=[11, 12], step=[step, 0])

@@ -21,7 +21,7 @@ def _inputs(seed, b, t, h, dk, dv, with_state):
     return q, k, v, g, beta, s0
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(t=st.integers(1, 150), h=st.integers(1, 3), dk=st.sampled_from([4, 8, 12]), dv=st.sampled_from([4, 8, 20]),
        with_state=st.booleans(), seed=st.integers(0, 1000))
 def test_chunked_equals_recurrent(t, h, dk, dv, with_state, seed):

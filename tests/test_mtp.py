@@ -93,11 +93,11 @@ def mtp_engines(mtp_ckpt):
 
 def test_mtp_greedy_identity(mtp_engines):
     base, spec = mtp_engines
-    prompts = random_prompts(256, [5, 20, 70, 131], seed=8)
+    prompts = random_prompts(256, [5, 20, 70], seed=8)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     ref = [o.outputs[0].token_ids for o in base.generate(prompts, params)]
     assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == ref
-    assert [o.outputs[0].token_ids for o in spec.generate(prompts[3], params)] == ref[3:]
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts[2], params)] == ref[2:]
     stats = spec.spec_stats()
     assert stats["drafted"] > 0 and stats["verify_steps"] > 0
     held = spec.engine.blocks.allocate(spec.num_pages - 30)             # force preemption (swap) mid-run

@@ -47,7 +47,7 @@ def test_reference_matches_engine_recurrence():
     np.testing.assert_allclose(pool2[slot, 0], s_x, **TOL)
 
 
-@settings(max_examples=10, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(t=st.sampled_from([1, 2, 5, 8]), ratio=st.sampled_from([1, 2]), dk=st.sampled_from([16, 32]),
        dv=st.sampled_from([16, 128]), verify=st.booleans(), seed=st.integers(0, 10_000))
 def test_recurrent_kernel_matches_reference(t, ratio, dk, dv, verify, seed):
@@ -90,7 +90,7 @@ def _packed(rng, lengths, hk, hv, dk, dv):
     return tuple(x[0] for x in (q, k, v, g, beta))
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=4, deadline=None)
 @given(lengths=st.lists(st.sampled_from([0, 1, 17, 63, 64, 65, 130]), min_size=1, max_size=4),
        ratio=st.sampled_from([1, 2]), dv=st.sampled_from([16, 128]), seed=st.integers(0, 10_000))
 def test_chunked_prefill_matches_reference(lengths, ratio, dv, seed):

@@ -13,10 +13,10 @@ from atlas_jax import LLM, SamplingParams
 ENGINE = dict(dtype="float32", page_size=16, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
               max_num_batched_tokens=128, warmup=False, compile_cache_dir="")
 GDN_DIMS = dict(dk=16, dv=32)       # shapes the compiled kernels take (powers of two >= 16), for GPU runs
-LENGTHS = [5, 20, 70, 131]          # recurrent (T <= 16) chunks, one chunk, chunks carrying state
+LENGTHS = [5, 20, 70]               # recurrent (T <= 16) chunks, one chunk, chunks carrying state
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3"])
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3_next has attention too
 def test_pallas_tokens_equal_xla(ckpt_dir, family):
     maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
     # init 0.2 (not HF's 0.02, whose logits are nearly uniform) so that a wrong state carry changes tokens
