@@ -15,30 +15,19 @@ import logging
 import os
 import time
 
-from .engine.speculative import SpeculativeConfig
-from .kernels import KERNELS
+from .engine.args import EngineArgs
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m atlas_jax.serve", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default=None, help="HF checkpoint directory (default: the embedded tiny model)")
+    EngineArgs.add_cli_args(ap)
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     ap.add_argument("--served-model-name", default=None, help="model id clients use (default: the checkpoint dir name)")
     ap.add_argument("--api-key", default=os.environ.get("ATLAS_JAX_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/* (default: $ATLAS_JAX_API_KEY, else none)")
-    ap.add_argument("--dtype", default="auto", help="auto (bf16 on accelerators, fp32 on CPU), bfloat16, float32")
-    ap.add_argument("--kernels", default="auto", choices=KERNELS, help="attention / GDN implementation")
-    ap.add_argument("--max-num-seqs", type=int, default=8, help="running sequences (= recurrent-state slots)")
-    ap.add_argument("--max-model-len", type=int, default=None, help="prompt + output tokens per request")
-    ap.add_argument("--page-size", type=int, default=16, help="tokens per KV page")
-    ap.add_argument("--num-pages", type=int, default=None, help="KV pages in the pool (default: every slot can reach "
-                    "max-model-len)")
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (instead of --num-pages)")
-    ap.add_argument("--max-prefill-chunk", type=int, default=256, help="prompt tokens per sequence per step")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget per step")
-    ap.add_argument("--preemption-mode", default="swap", choices=["swap", "recompute"])
     ap.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
     ap.add_argument("--tool-call-parser", default="auto",
                     help="tool-call format in replies: auto (from the chat template), qwen3_json (hermes), "
@@ -52,8 +41,6 @@ def parse_args(argv=None):
                     "larger ones are refused with 413 while being read")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight may take to "
                     "finish after SIGTERM / SIGINT before they are ended with an error (default 30)")
-    ap.add_argument("--speculative", default=None, help="speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, "
-                    "ngram; e.g. 'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
@@ -61,9 +48,9 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
-        speculative = SpeculativeConfig.from_cli(args.speculative)
+        engine_args = EngineArgs.from_cli(args)
     except ValueError as e:
-        raise SystemExit(f"--speculative: {e}") from None
+        raise SystemExit(str(e)) from None
     import uvicorn
 
     from .engine.async_llm import AsyncLLM
@@ -71,14 +58,9 @@ def main(argv=None) -> None:
     from .server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper())
-    num_pages = args.num_pages
-    llm_kwargs = dict(dtype=args.dtype, kernels=args.kernels, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, max_prefill_chunk=args.max_prefill_chunk,
-                      max_num_batched_tokens=args.max_num_batched_tokens, preemption_mode=args.preemption_mode,
-                      speculative=speculative)
-    if args.kv_cache_memory is not None and num_pages is None:
-        num_pages = _pages_for_memory(args, llm_kwargs)
-    llm = LLM(args.model, num_pages=num_pages, warmup=False, **llm_kwargs)
+    if args.kv_cache_memory is not None and engine_args.num_pages is None:
+        engine_args.num_pages = _pages_for_memory(args)
+    llm = LLM.from_engine_args(engine_args, warmup=False)
     engine = AsyncLLM.from_llm(llm, warmup=True)       # compiles in the engine thread; /health is 503 until done
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
@@ -136,7 +118,7 @@ def _DrainingServer(config, engine, shutdown_timeout: float):
     return Server(config)
 
 
-def _pages_for_memory(args, llm_kwargs) -> int:
+def _pages_for_memory(args) -> int:
     """Pages that fit in --kv-cache-memory GiB for this model."""
     from .config import ModelConfig
     from .engine.llm import resolve_dtype

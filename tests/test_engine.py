@@ -142,3 +142,26 @@ def test_sampled_row_independent_of_neighbours_path():
         a = f(logits, batch(0.0, 0, 1.0, step)).tokens[0]
         b = f(logits, batch(1.0, 5, 0.5, step)).tokens[0]
         assert a == b
+
+
+def test_request_output_is_a_snapshot_and_deltas_are_explicit(default_llm):
+    """Request.output() has no side effects and hands out nothing the engine keeps mutating (token
+    ids, logprobs, metrics); take_delta() is the one call that advances what was streamed, and the
+    deltas add up to the final output."""
+    eng = default_llm.engine
+    req = eng.add_request(random_prompts(eng.cfg.vocab_size, [7], seed=4)[0],
+                          SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2))
+    deltas = []
+    while not req.seqs[0].output_ids:
+        eng.step()
+    deltas.append(req.take_delta())
+    snap = req.output()
+    frozen = (list(snap.outputs[0].token_ids), len(snap.outputs[0].logprobs), snap.metrics.num_generated_tokens)
+    assert req.output().outputs[0].token_ids == frozen[0]                   # output() twice: the same
+    while eng.has_unfinished():
+        eng.step()
+        deltas.append(req.take_delta())
+    assert (snap.outputs[0].token_ids, len(snap.outputs[0].logprobs), snap.metrics.num_generated_tokens) == frozen
+    final = req.output().outputs[0]
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == final.token_ids and len(final.token_ids) == 6
+    assert "".join(d.outputs[0].text for d in deltas) == final.text

@@ -197,3 +197,27 @@ def test_no_compiles_after_warmup_over_random_workload(llm, scheduler_config, me
     assert llm.num_compiles == before
     assert all(len(c.token_ids) >= 1 for o in outs for c in o.outputs)
     assert sum(len(o.outputs) for o in outs) == sum(p.n for p in params)
+
+
+def test_preemption_victim_is_least_progress_even_when_it_asks(llm, memory_pressure):
+    """A long decode is running; a newer request's second prefill chunk needs pages and none are free:
+    the newcomer (least progress) yields, the decode is not evicted (before: the asking sequence was
+    exempt, so the decode with more work done was preempted for it)."""
+    eng = llm.engine
+    long_prompt, new_prompt = random_prompts(512, [90, 120], seed=12)
+    long = eng.add_request(long_prompt, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    while len(long.seqs[0].output_ids) < 2:
+        eng.step()
+    new = eng.add_request(new_prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    while new.seqs[0].num_cached == 0:
+        eng.step()
+    assert 0 < new.seqs[0].num_cached < len(new_prompt) < long.seqs[0].num_cached + 40
+    memory_pressure(0)
+    eng.step()                                       # new's next chunk needs pages: none are free
+    assert new.seqs[0].metrics.num_preemptions == 1 and long.seqs[0].metrics.num_preemptions == 0
+    memory_pressure.release()
+    while eng.has_unfinished():
+        eng.step()
+    assert tokens([new.output()]) == tokens(llm.generate(new_prompt, SamplingParams(max_tokens=4, temperature=0.0,
+                                                                                    ignore_eos=True)))
+    assert_no_leaks(llm)

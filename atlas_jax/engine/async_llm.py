@@ -181,7 +181,7 @@ class AsyncLLM:
             self._push(req.request_id, RequestFailedError(req.error))
             return
         if req.params.output_kind != "final_only" or req.finished:
-            self._push(req.request_id, req.output())
+            self._push(req.request_id, req.take_delta() if req.params.output_kind == "delta" else req.output())
         if req.finished:
             self._push(req.request_id, _Finished)
 

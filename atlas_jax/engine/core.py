@@ -7,6 +7,7 @@ a ValueError and never disturbs the ones in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -43,23 +44,29 @@ class Request:
     def finished(self) -> bool:
         return all(s.finished for s in self.seqs)
 
-    def output(self, kind: str | None = None) -> RequestOutput:
-        """kind: cumulative (everything so far), delta (what is new since the last call), final_only."""
-        kind = kind or self.params.output_kind
+    def output(self) -> RequestOutput:
+        """Everything so far, as a snapshot: nothing in it is an object the engine goes on mutating."""
+        return self._output([(0, 0)] * len(self.seqs))
+
+    def take_delta(self) -> RequestOutput:
+        """What is new since the last take_delta (streaming's `delta` output kind); marks it sent."""
+        out = self._output(self._sent)
+        self._sent = [(prev_chars + len(c.text), prev_ids + len(c.token_ids))
+                      for (prev_chars, prev_ids), c in zip(self._sent, out.outputs)]
+        return out
+
+    def _output(self, sent) -> RequestOutput:
         outs = []
-        for i, s in enumerate(self.seqs):
+        for (sent_text, sent_ids), s in zip(sent, self.seqs):
             text = s.detok.visible_text(s.finished) if s.detok is not None else ""
-            ids, lps = list(s.output_ids), s.logprobs
-            if kind == "delta":
-                sent_text, sent_ids = self._sent[i]
-                self._sent[i] = (len(text), len(ids))
-                text, ids = text[sent_text:], ids[sent_ids:]
-                lps = lps[sent_ids:] if lps is not None else None
-            outs.append(CompletionOutput(index=i, text=text, token_ids=ids, finish_reason=s.finish_reason,
-                                         stop_reason=s.stop_reason, logprobs=lps,
-                                         cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=self.prompt_ids,
-                             outputs=outs, finished=self.finished, metrics=self.seqs[0].metrics, error=self.error)
+            outs.append(CompletionOutput(
+                index=len(outs), text=text[sent_text:], token_ids=s.output_ids[sent_ids:],
+                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                logprobs=None if s.logprobs is None else s.logprobs[sent_ids:],
+                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
+        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_ids),
+                             outputs=outs, finished=self.finished, metrics=dataclasses.replace(self.seqs[0].metrics),
+                             error=self.error)
 
 
 class EngineCore:

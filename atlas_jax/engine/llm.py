@@ -18,6 +18,7 @@ from ..config import ModelConfig
 from ..kernels import resolve_kernels
 from ..tokenizer import Tokenizer
 from ..weights import load_model_params
+from .args import EngineArgs
 from .core import EngineCore
 from .runner import RowInput
 from .sampling_params import SamplingParams
@@ -53,24 +54,16 @@ def default_compile_cache_dir() -> str:
 
 
 class LLM:
-    """model: HF checkpoint dir (None = embedded default). Engine knobs follow vLLM's names:
-    max_num_seqs (running sequences and recurrent slots), max_model_len, page_size, num_pages
-    (default: every slot can hold max_model_len), max_prefill_chunk (tokens per prefill row per
-    step), max_num_batched_tokens (token budget per step), max_prefill_rows, preemption_mode
-    ("swap" | "recompute"), swap_space_gb (host memory for swapped sequences). warmup=True
-    compiles every step bucket up front; compile_cache_dir ("" = off) persists them across runs.
-    speculative={"method": "ngram" | "scripted", "num_drafts": k, ...} turns on speculative decoding
-    (engine/speculative.py); `spec_stats()` reports acceptance."""
+    """model: HF checkpoint dir (None = embedded default); the other keywords are EngineArgs' fields
+    (engine/args.py: vLLM's names and their meaning). warmup=True compiles every step bucket up
+    front (progress: a progress bar). speculative={"method": "mtp" | "ngram" | "self" | "scripted",
+    "num_drafts": k, ...} turns on speculative decoding; `spec_stats()` reports acceptance."""
 
-    def __init__(self, model: str | None = None, *, dtype="auto", kernels: str = "auto", page_size: int = 16,
-                 num_pages: int | None = None, max_num_seqs: int = 8, max_model_len: int | None = None,
-                 max_prefill_chunk: int = 256, max_num_batched_tokens: int | None = None, max_prefill_rows: int = 4,
-                 preemption_mode: str = "swap", swap_space_gb: float = 4.0, seed: int = 0, load_mtp: bool = True,
-                 warmup: bool = True, compile_cache_dir: str | None = None, progress: bool = True,
-                 speculative: dict | None = None):
-        self.kernels = resolve_kernels(kernels)
-        spec = SpeculativeConfig.parse(speculative)
-        enable_compile_cache(default_compile_cache_dir() if compile_cache_dir is None else compile_cache_dir)
+    def __init__(self, model: str | None = None, *, warmup: bool = True, progress: bool = True, **engine_args):
+        self.args = a = EngineArgs(model=model, **engine_args)
+        self.kernels = resolve_kernels(a.kernels)
+        spec = SpeculativeConfig.parse(a.speculative)
+        enable_compile_cache(default_compile_cache_dir() if a.compile_cache_dir is None else a.compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path
             model = default_model_path()
@@ -78,17 +71,21 @@ class LLM:
         self._chat_template = None
         self.cfg = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
-        self.dtype = resolve_dtype(dtype)
-        self.params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, load_mtp)
-        self.max_model_len = int(max_model_len or min(self.cfg.max_position_embeddings, 4096))
+        self.dtype = resolve_dtype(a.dtype)
+        self.params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
+        self.max_model_len = int(a.max_model_len or min(self.cfg.max_position_embeddings, 4096))
         self.engine = EngineCore(
-            self.cfg, self.params, self.tokenizer, dtype=self.dtype, page_size=page_size, num_pages=num_pages,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=max_prefill_chunk,
-            max_num_batched_tokens=max_num_batched_tokens, max_prefill_rows=max_prefill_rows,
-            preemption_mode=preemption_mode, swap_space_gb=swap_space_gb, seed=seed, kernels=self.kernels,
+            self.cfg, self.params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=a.num_pages,
+            max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
+            max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
+            preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
             speculative=spec)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, **kw) -> "LLM":
+        return cls(args.model, **args.engine_kwargs(), **kw)
 
     @property
     def num_compiles(self) -> int:
@@ -126,7 +123,7 @@ class LLM:
             for r in reqs:
                 self.engine.abort(r.request_id)
             raise
-        return [r.output("cumulative") for r in reqs]
+        return [r.output() for r in reqs]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              tools: list[dict] | None = None, chat_template: str | None = None,

@@ -10,7 +10,7 @@ chunks the prefill segment of the same mixed step.
 
 Pages are allocated as a sequence grows. When a running sequence needs a page and none is
 free, the running sequence with the least progress (fewest cached tokens; latest arrival on a
-tie) is preempted: by swap (its pages, slot and penalty history saved to host memory, freed,
+tie) is preempted, the asking one included: by swap (its pages, slot and penalty history saved to host memory, freed,
 restored bit-exactly later) or by recompute (freed; re-prefilled from its prompt and the
 tokens it already produced). A request that could never fit was refused at admission.
 """
@@ -117,8 +117,9 @@ class Scheduler:
         """Give seq pages for num_tokens, preempting others if needed. False if seq itself was preempted."""
         need = self.blocks.pages_for(num_tokens) - len(seq.pages)
         while need > self.blocks.num_free:
-            others = [s for s in self.running if s is not seq]
-            victim = min(others, key=lambda s: (s.num_cached, -s.order)) if others else seq
+            # The least progress loses, the asking sequence included: a new prefill chunk never
+            # evicts a long decode with more work done.
+            victim = min(self.running, key=lambda s: (s.num_cached, -s.order))
             chosen.pop(victim, None)
             self._preempt(victim)
             if victim is seq:

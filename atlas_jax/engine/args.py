@@ -1,0 +1,79 @@
+"""EngineArgs: the one engine configuration (vLLM's pattern). `LLM`, `python -m atlas_jax.serve`,
+`python -m atlas_jax.generate` and the scripts build from it; its CLI flags are generated from the
+fields (name -> --name-with-dashes, help from the field's metadata), so a new knob is added once."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+
+from ..kernels import KERNELS
+from .scheduler import PREEMPTION_MODES
+
+
+def _knob(default, help: str, *, choices=None, flag: str | None = None):
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag": flag})
+
+
+@dataclasses.dataclass
+class EngineArgs:
+    model: str | None = _knob(None, "HF checkpoint directory (default: the embedded tiny model)")
+    dtype: str = _knob("auto", "auto (bf16 on accelerators, fp32 on CPU), bfloat16, float32")
+    kernels: str = _knob("auto", "attention / GDN / MoE implementation: auto (Pallas on GPU), xla, pallas",
+                         choices=KERNELS)
+    page_size: int = _knob(16, "tokens per KV page")
+    num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
+    max_num_seqs: int = _knob(8, "running sequences (= recurrent-state slots)")
+    max_model_len: int | None = _knob(None, "prompt + output tokens per request (default: min(config, 4096))")
+    max_prefill_chunk: int = _knob(256, "prompt tokens per sequence per step")
+    max_num_batched_tokens: int | None = _knob(None, "token budget per step")
+    max_prefill_rows: int = _knob(4, "prefill rows per step")
+    preemption_mode: str = _knob("swap", "what a sequence preempted for pages does: swap (to host memory) or "
+                                 "recompute (re-prefill later)", choices=PREEMPTION_MODES)
+    swap_space_gb: float = _knob(4.0, "host memory for swapped sequences, GiB", flag="--swap-space")
+    seed: int = _knob(0, "engine seed (requests without a seed draw from it)")
+    load_mtp: bool = _knob(True, "load the checkpoint's MTP head when present")
+    compile_cache_dir: str | None = _knob(None, "persistent XLA compilation cache ('' = off; default: "
+                                          "$ATLAS_JAX_HOME/xla_cache)")
+    speculative: dict | None = _knob(None, "speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, ngram; e.g. "
+                                     "'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
+
+    def engine_kwargs(self) -> dict:
+        """Everything but the model path, as LLM's keywords."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "model"}
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> argparse.ArgumentParser:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.name in skip:
+                continue
+            flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+            kind = hints[f.name]
+            base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
+            text = f.metadata["help"]
+            kw = dict(dest=f.name, default=f.default, help=text if "default" in text else f"{text} (default: {f.default})")
+            if base is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif base is dict:
+                kw["type"] = str                            # parsed in from_cli
+            else:
+                kw["type"] = base
+            if f.metadata.get("choices"):
+                kw["choices"] = f.metadata["choices"]
+            parser.add_argument(flag, **kw)
+        return parser
+
+    @classmethod
+    def from_cli(cls, args: argparse.Namespace, skip: tuple[str, ...] = ()) -> "EngineArgs":
+        """The fields present in parsed CLI args (skip: names the CLI uses for something else, as
+        add_cli_args' skip); raises ValueError naming a bad --speculative."""
+        from .speculative import SpeculativeConfig
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if hasattr(args, f.name) and f.name not in skip}
+        if isinstance(values.get("speculative"), str):
+            try:
+                values["speculative"] = SpeculativeConfig.from_cli(values["speculative"])
+            except ValueError as e:
+                raise ValueError(f"--speculative: {e}") from None
+        return cls(**values)

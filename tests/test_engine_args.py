@@ -1,0 +1,40 @@
+"""EngineArgs is the one engine configuration: every field has a CLI flag on serve and generate
+(generated, with its help), parsed flags round-trip into the fields LLM takes, and a misspelt LLM
+keyword is an error naming it."""
+import argparse
+import dataclasses
+
+import pytest
+
+from atlas_jax import LLM
+from atlas_jax.engine.args import EngineArgs
+from atlas_jax.engine.speculative import SpeculativeConfig
+from atlas_jax.serve import parse_args
+
+
+def test_every_field_is_a_serve_flag_with_help():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    actions = {a.dest: a for a in parser._actions}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in actions and actions[f.name].help, f.name
+    args = parse_args(["--max-prefill-rows", "2", "--swap-space", "1.5", "--seed", "7", "--no-load-mtp",
+                       "--compile-cache-dir", "", "--speculative", "ngram:3", "--kernels", "xla"])
+    ea = EngineArgs.from_cli(args)
+    assert (ea.max_prefill_rows, ea.swap_space_gb, ea.seed, ea.load_mtp, ea.compile_cache_dir, ea.kernels) == \
+        (2, 1.5, 7, False, "", "xla")
+    assert ea.speculative == SpeculativeConfig.parse({"method": "ngram", "num_drafts": 3})
+    assert set(ea.engine_kwargs()) == {f.name for f in dataclasses.fields(EngineArgs)} - {"model"}
+    with pytest.raises(ValueError, match="--speculative"):
+        EngineArgs.from_cli(parse_args(["--speculative", "bogus"]))
+
+
+def test_generate_has_the_engine_flags_and_its_own_sampling_seed():
+    from atlas_jax.generate import SAMPLING_FLAGS, parse_args as generate_args
+    args = generate_args(["--seed", "3", "--max-num-seqs", "2", "--prompt", "x"])
+    engine = EngineArgs.from_cli(args, skip=SAMPLING_FLAGS)
+    assert args.seed == 3 and engine.seed == 0 and engine.max_num_seqs == 2
+
+
+def test_llm_refuses_unknown_keywords():
+    with pytest.raises(TypeError, match="max_num_seq"):
+        LLM(max_num_seq=4)
