@@ -1,0 +1,229 @@
+"""What every generating API surface shares: admission checks, one request's output stream (timeout,
+abort when its consumer leaves), several prompts merged into one stream, disconnect watching for
+non-streaming responses, SSE framing with an error event on failure, and the non-streaming
+aggregation of delta outputs into choices (written once for completions and chat)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import time
+
+from ..engine.async_llm import FINISHED
+from ..engine.errors import EngineDeadError, InvalidRequestError
+from .guard import APIError, error_body
+
+log = logging.getLogger("atlas_jax.server")
+DISCONNECT_POLL_S = 0.25            # how often a non-streaming request checks that its client is still there
+
+
+@dataclasses.dataclass
+class Choice:
+    """One completion's output, accumulated from its deltas."""
+    text: str = ""
+    token_ids: list = dataclasses.field(default_factory=list)
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class ServerContext:
+    """What the routes of every API surface see."""
+    engine: object                      # AsyncLLM (or anything with its serving interface)
+    metrics: object                     # metrics.Metrics
+    model_name: str
+    template: object                    # chat.ChatTemplate
+    tool_format: str
+    reasoning: str
+    request_timeout: float | None = None
+    max_waiting: int = 256
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def check_model(self, model) -> None:
+        if model not in (None, self.model_name):
+            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def check_capacity(self) -> None:
+        e = self.engine
+        if e.is_draining:
+            raise APIError(503, "server is shutting down; retry later", "service_unavailable",
+                           headers={"Retry-After": "5"})
+        if not e.is_running:
+            raise APIError(503, f"engine is not running: {e.errored!r}", "service_unavailable")
+        if not e.is_ready:
+            raise APIError(503, "engine is warming up; retry later", "service_unavailable", headers={"Retry-After": "5"})
+        if e.num_in_flight >= self.max_waiting:
+            raise APIError(503, "server is at capacity; retry later", "service_unavailable", headers={"Retry-After": "1"})
+
+    def token_text(self, t: int) -> str:
+        tok = self.tokenizer
+        return tok.decode([t], skip_special_tokens=False) if tok else str(t)
+
+    # ---- streams of outputs ------------------------------------------------------------------
+    async def outputs(self, prompt, params, rid):
+        """Delta RequestOutputs of one request, ending with a finished one; aborts on exit or timeout."""
+        engine = self.engine
+        try:
+            _, stream = await engine.add_request_async(prompt, params, rid)
+        except EngineDeadError as e:
+            raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
+        except InvalidRequestError as e:
+            raise APIError(400, str(e), param=e.param) from None
+        except ValueError as e:
+            raise APIError(400, str(e)) from None
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        done = False
+        try:
+            while True:
+                wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    item = await asyncio.wait_for(stream.get(), wait)
+                except asyncio.TimeoutError:
+                    engine.abort_nowait(rid, "timeout")
+                    deadline = None
+                    continue
+                if item is FINISHED:
+                    done = True
+                    return
+                if isinstance(item, BaseException):
+                    done = True
+                    if isinstance(item, EngineDeadError):
+                        raise APIError(503, f"request failed: {item}", "service_unavailable", headers={"Retry-After": "5"})
+                    raise APIError(500, f"request failed: {item}", "internal_server_error")
+                yield item
+        finally:
+            if not done:
+                engine.abort_nowait(rid)
+
+    async def merged(self, prompts, params, base_id):
+        """(prompt index, delta output) across all prompts of a request, as they come."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, prompt):
+            try:
+                async for out in self.outputs(prompt, params, f"{base_id}-{i}"):
+                    await queue.put((i, out))
+            except BaseException as e:      # noqa: BLE001 — handed to the consumer
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, None))
+        tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(prompts)]
+        live = len(tasks)
+        try:
+            while live:
+                i, item = await queue.get()
+                if item is None:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def started(self, prompts, params, base_id):
+        """`merged`, already run to its first item, so that a refused request becomes an HTTP error
+        status rather than an error inside a 200 stream. Items pass through the metrics."""
+        gen = self.merged(prompts, params, base_id)
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def items():
+            last = time.monotonic()
+            pending = [first] if first is not None else []
+            while True:
+                if pending:
+                    item = pending.pop()
+                else:
+                    try:
+                        item = await gen.__anext__()
+                    except StopAsyncIteration:
+                        return
+                now = time.monotonic()
+                self.metrics.itl.observe(now - last)
+                last = now
+                self.metrics.observe(item[1])
+                yield item
+        return items()
+
+    async def until_disconnect(self, request, items):
+        """`items` for a non-streaming response, ended early when the client goes away (closing it
+        aborts the requests): nobody is left to read the answer."""
+        it = items.__aiter__()
+        checked = time.monotonic()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            while True:
+                done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
+                if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        nxt.cancel()
+                        await asyncio.gather(nxt, return_exceptions=True)      # its generator unwinds: aborts
+                        await it.aclose()
+                        raise APIError(499, "client disconnected", "client_closed_request")
+                if done:
+                    break
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item
+
+    async def collect(self, request, items, n: int) -> tuple[dict[int, Choice], int]:
+        """A non-streaming response's choices (index = prompt index * n + completion index) and its
+        prompt tokens, from the delta outputs."""
+        choices: dict[int, Choice] = {}
+        prompt_tokens: dict[int, int] = {}
+        async for i, out in self.until_disconnect(request, items):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                ch = choices.setdefault(i * n + c.index, Choice())
+                ch.text += c.text
+                ch.token_ids += c.token_ids
+                if c.logprobs is not None:
+                    ch.logprobs = (ch.logprobs or []) + c.logprobs
+                if c.finished:
+                    ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        return dict(sorted(choices.items())), sum(prompt_tokens.values())
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, allow_nan=False)}\n\n"
+
+
+DONE = "data: [DONE]\n\n"
+
+
+async def guarded(events):
+    """A stream that fails midway ends with an OpenAI error event and [DONE], never silently."""
+    try:
+        async for chunk in events:
+            yield chunk
+    except APIError as e:
+        yield sse(error_body(e.message, e.type, e.param, e.code))
+        yield DONE
+    except Exception as e:                     # noqa: BLE001 — a bug; the client still gets a clean end
+        log.exception("stream failed")
+        yield sse(error_body(f"internal error: {e!r}", "internal_server_error"))
+        yield DONE
+
+
+def usage(prompt: int, completion: int) -> dict:
+    """OpenAI's usage object (no prefix cache yet: no prompt token is served from cache)."""
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+def logprob(v: float) -> float:
+    """JSON has no -inf: a token the sampler masked out reports -9999.0 (as vLLM)."""
+    return max(float(v), -9999.0) if v == v else -9999.0
