@@ -95,6 +95,13 @@ def test_engine_failure_fails_requests_and_refuses_new_ones(default_llm, offline
                     pass
             with pytest.raises(EngineDeadError):
                 a.add_request("Hi", SamplingParams(max_tokens=3))
+            # A request validated before the engine died and registered after its fan-out of failures
+            # (the window between add_request_async's check and its registration) is refused, not
+            # left waiting on a stream nobody will end.
+            late = default_llm.engine.make_request("Hi", SamplingParams(max_tokens=3))
+            with pytest.raises(EngineDeadError):
+                a._enqueue(late)
+            assert a.num_in_flight == 0
         run(go())
         assert not a.is_running
     finally:

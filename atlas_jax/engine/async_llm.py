@@ -116,8 +116,12 @@ class AsyncLLM:
             raise EngineDeadError("engine is still warming up")
 
     def _enqueue(self, req: Request) -> tuple[Request, asyncio.Queue]:
+        """Register the request's stream and queue it. The accepting check and the registration are one
+        step under the lock the engine thread takes to fail or shut down every stream: a stream is
+        either refused here or seen (and ended) by that fan-out, never left waiting."""
         stream: asyncio.Queue = asyncio.Queue()
         with self._lock:
+            self._check_accepting()
             if req.request_id in self._streams:
                 raise ValueError(f"request id {req.request_id!r} is already in flight")
             self._streams[req.request_id] = (asyncio.get_running_loop(), stream)
@@ -157,9 +161,10 @@ class AsyncLLM:
 
     def shutdown(self, timeout: float | None = 30.0) -> None:
         """Stop the loop after aborting whatever is still in flight."""
-        self._draining = True
+        with self._lock:
+            self._draining = True
+            self._stop.set()
         self._prep.shutdown(wait=False, cancel_futures=True)
-        self._stop.set()
         self._commands.put(("wake",))
         self._thread.join(timeout)
 
@@ -219,7 +224,8 @@ class AsyncLLM:
                     for req in self.engine.step():
                         self._emit(req)
         except BaseException as e:           # noqa: BLE001 — the engine is dead; fail everyone loudly
-            self.errored = e
+            with self._lock:
+                self.errored = e
             err = EngineDeadError(f"engine step failed: {e!r}")
             for rid in list(self.engine.requests):
                 try:
