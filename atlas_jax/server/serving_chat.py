@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..tokenizer import check_unicode
-from .guard import APIError, read_json
+from .guard import APIError
 from .parsers import THINK_END, THINK_START, Delta, OutputParser, forced_opening
 from .protocol import ChatCompletionRequest
 from .streams import DONE, ServerContext, guarded, logprob, sse, usage
@@ -33,9 +33,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await read_json(request, ChatCompletionRequest, engine.offload)
-        ctx.check_model(body.model)
-        ctx.check_capacity()
+        body = await ctx.admit(request, ChatCompletionRequest)
         top = (body.top_logprobs or 0) if body.logprobs else None
         cap = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(cap, top)

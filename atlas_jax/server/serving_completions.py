@@ -7,7 +7,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .guard import APIError, read_json
+from .guard import APIError
 from .protocol import CompletionRequest
 from .streams import DONE, Choice, ServerContext, guarded, logprob, sse, usage
 
@@ -19,9 +19,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await read_json(request, CompletionRequest, engine.offload)
-        ctx.check_model(body.model)
-        ctx.check_capacity()
+        body = await ctx.admit(request, CompletionRequest)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]

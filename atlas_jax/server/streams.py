@@ -12,7 +12,7 @@ import time
 
 from ..engine.async_llm import FINISHED
 from ..engine.errors import EngineDeadError, InvalidRequestError
-from .guard import APIError, error_body
+from .guard import APIError, error_body, read_json
 
 log = logging.getLogger("atlas_jax.server")
 DISCONNECT_POLL_S = 0.25            # how often a non-streaming request checks that its client is still there
@@ -60,6 +60,13 @@ class ServerContext:
             raise APIError(503, "engine is warming up; retry later", "service_unavailable", headers={"Retry-After": "5"})
         if e.num_in_flight >= self.max_waiting:
             raise APIError(503, "server is at capacity; retry later", "service_unavailable", headers={"Retry-After": "1"})
+
+    async def admit(self, request, body_cls):
+        """A generating request's body, parsed strictly, for this model, with room to run it."""
+        body = await read_json(request, body_cls, self.engine.offload)
+        self.check_model(body.model)
+        self.check_capacity()
+        return body
 
     def token_text(self, t: int) -> str:
         tok = self.tokenizer
