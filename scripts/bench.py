@@ -15,6 +15,7 @@ checkpoint in the same process, and the JSON carries the ratios atlas_jax / HF.
 import argparse
 import json
 import os
+import sys
 import time
 
 import jax
@@ -133,6 +134,7 @@ def main():
             row.update(hf_prefill_tokens_per_s=round(hf_prefill, 1), hf_decode_tokens_per_s=round(hf_decode, 1),
                        prefill_vs_hf=round(row["prefill_tokens_per_s"] / hf_prefill, 2),
                        decode_vs_hf=round(row["decode_tokens_per_s"] / hf_decode, 2))
+        print(json.dumps(result), file=sys.stderr, flush=True)     # partial results survive a time limit
     if 1 in result["batches"]:
         b1 = result["batches"][1]
         result["roofline_fraction_b1"] = round(b1["decode_achieved_gbs"] / result["memory_gbs"], 3)

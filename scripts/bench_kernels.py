@@ -34,7 +34,6 @@ from atlas_jax.layers import attention as xla_attention  # noqa: E402
 from atlas_jax.layers import gdn as xla_gdn  # noqa: E402
 from atlas_jax.layers import moe as xla_moe  # noqa: E402
 from pallas_kernels import gdn as pallas_gdn  # noqa: E402
-from pallas_kernels import grouped_matmul as pallas_gmm  # noqa: E402
 from pallas_kernels import paged_attention as pallas_attention  # noqa: E402
 
 
