@@ -60,3 +60,31 @@ def test_greedy_generation_matches_hf(family_llm):
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
         assert out.outputs[0].finish_reason == "length"
+
+
+def test_prompt_logprobs_match_hf(ckpt_dir):
+    """prompt_logprobs (engine enable_prompt_logprobs): for every prompt token after the first, its
+    logprob given the tokens before it and the top-n, equal to HF's log_softmax, over a prompt that takes
+    two prefill chunks (the scratch slot carries the GDN state); the scoring buckets are the warm-up's, so
+    serving compiles nothing for them; a request asking for it is refused by an engine without it."""
+    path, hf = ckpt_dir("qwen3_next", hf_models.make_qwen3_next)
+    llm = LLM(path, dtype="float32", page_size=4, max_num_seqs=2, max_model_len=128, max_prefill_chunk=32,
+              warmup=False, enable_prompt_logprobs=True)
+    ids = random_prompts(llm.cfg.vocab_size, [45], seed=5)[0]
+    out = llm.generate(ids, SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3))[0]
+    ref = torch.log_softmax(torch.tensor(hf_logits(hf, ids)), -1).numpy()
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(ids)
+    for i in range(1, len(ids)):
+        entry = out.prompt_logprobs[i]
+        top = np.argsort(-ref[i - 1])[:3]
+        assert set(entry) == {ids[i], *map(int, top)}
+        for t, v in entry.items():
+            assert abs(v - ref[i - 1, t]) < 1e-4
+    assert llm.runner.prefill_token_buckets == [16, 32]         # chunks of 32 and 13 tokens: both buckets used
+    compiled = llm.num_compiles
+    for tp in llm.runner.prefill_token_buckets:                 # what warm-up compiles for scoring
+        llm.runner._compile_abstract("logits", ((1, tp),))
+    assert llm.num_compiles == compiled
+    plain = LLM(path, dtype="float32", page_size=4, max_num_seqs=2, max_model_len=128, warmup=False)
+    with pytest.raises(ValueError, match="enable_prompt_logprobs"):
+        plain.generate(ids, SamplingParams(max_tokens=2, prompt_logprobs=1))

@@ -59,7 +59,8 @@ class ScriptedEngine:
         for i, piece in enumerate(pieces):
             last = i == len(pieces) - 1
             outs = [CompletionOutput(k, piece, [1], "stop" if last else None) for k in range(params.n)]
-            queue.put_nowait(RequestOutput(request_id, prompt, prompt_ids, outs, last))
+            scored = None if params.prompt_logprobs is None else [None] + [{t: -1.5} for t in prompt_ids[1:]]
+            queue.put_nowait(RequestOutput(request_id, prompt, prompt_ids, outs, last, prompt_logprobs=scored))
         queue.put_nowait(FINISHED)
         return None, queue
 
@@ -175,3 +176,17 @@ def test_usage_details_and_stop_reason(served):
     assert r.usage.prompt_tokens_details.cached_tokens == 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert "stop_reason" in r.choices[0].model_extra and r.choices[0].finish_reason == "stop"
+
+
+def test_prompt_logprobs_in_both_apis(served):
+    """vLLM's JSON form: null for the first prompt token, then {"token id": {logprob, decoded_token}}."""
+    client, engine, _, _ = served
+    engine.replies += ["x", "y"]
+    r = client.completions.create(model="m", prompt="a b c", max_tokens=2, extra_body={"prompt_logprobs": 1})
+    lp = r.choices[0].model_extra["prompt_logprobs"]
+    ids = engine.tokenizer.encode("a b c")
+    assert lp[0] is None and len(lp) == len(ids)
+    assert lp[1] == {str(ids[1]): {"logprob": -1.5, "decoded_token": engine.tokenizer.decode([ids[1]])}}
+    r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
+                                       extra_body={"prompt_logprobs": 0})
+    assert r.model_extra["prompt_logprobs"][0] is None

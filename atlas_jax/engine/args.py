@@ -35,6 +35,8 @@ class EngineArgs:
     load_mtp: bool = _knob(True, "load the checkpoint's MTP head when present")
     compile_cache_dir: str | None = _knob(None, "persistent XLA compilation cache ('' = off; default: "
                                           "$ATLAS_JAX_HOME/xla_cache)")
+    enable_prompt_logprobs: bool = _knob(False, "serve prompt_logprobs (reserves one sequence's pages and a "
+                                         "recurrent slot for scoring prompts; compiles the scoring buckets)")
     speculative: dict | None = _knob(None, "speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, ngram; e.g. "
                                      "'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
 

@@ -39,6 +39,7 @@ class Request:
         self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
         self._sent = [(0, 0)] * len(seqs)      # (text chars, tokens) already streamed per sequence (delta kind)
         self.error: str | None = None
+        self.prompt_logprobs: list | None = None
 
     @property
     def finished(self) -> bool:
@@ -66,14 +67,14 @@ class Request:
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_ids),
                              outputs=outs, finished=self.finished, metrics=dataclasses.replace(self.seqs[0].metrics),
-                             error=self.error)
+                             error=self.error, prompt_logprobs=self.prompt_logprobs)
 
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
                  max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
-                 speculative: SpeculativeConfig | None = None):
+                 speculative: SpeculativeConfig | None = None, enable_prompt_logprobs: bool = False):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -82,9 +83,14 @@ class EngineCore:
         self.max_model_len = max_model_len
         max_pages_per_seq = -(-max_model_len // page_size)
         self.num_pages = int(num_pages or max_num_seqs * max_pages_per_seq)
+        # prompt_logprobs scores prompts on pages and a slot of their own (beyond the serving pools).
+        scratch_pages = max_pages_per_seq if enable_prompt_logprobs else 0
         self.blocks = BlockAllocator(self.num_pages, page_size)
         self.slots = SlotAllocator(max_num_seqs)
-        self.runner = ModelRunner(cfg, params, num_pages=self.num_pages, page_size=page_size, num_slots=max_num_seqs,
+        self._score = (list(range(self.num_pages, self.num_pages + scratch_pages)), max_num_seqs) \
+            if enable_prompt_logprobs else None
+        self.runner = ModelRunner(cfg, params, num_pages=self.num_pages + scratch_pages, page_size=page_size,
+                                  num_slots=max_num_seqs + bool(enable_prompt_logprobs),
                                   max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
                                   max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows,
                                   kernels=kernels,
@@ -153,6 +159,9 @@ class EngineCore:
         self._check_vocab(params.stop_token_ids, "stop_token_ids")
         self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
         self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
+        if params.prompt_logprobs is not None and self._score is None:
+            raise InvalidRequestError("prompt_logprobs needs an engine started with enable_prompt_logprobs=True "
+                                      "(--enable-prompt-logprobs)", "prompt_logprobs")
         bad_words = self._bad_word_ids(params.bad_words)
         width = (len(params.logit_bias) + len(params.allowed_token_ids or ()) + len(bad_words)
                  + (len(params.stop_token_ids) + len(self.cfg.eos_token_ids) if params.min_tokens else 0))
@@ -187,9 +196,29 @@ class EngineCore:
         """Queue a request built by make_request (engine thread only)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
+        if req.params.prompt_logprobs is not None:
+            req.prompt_logprobs = self._prompt_logprobs(req.prompt_ids, req.params.prompt_logprobs)
         self.requests[req.request_id] = req
         for s in req.seqs:
             self.scheduler.add(s)
+
+    def _prompt_logprobs(self, ids: list[int], top: int) -> list:
+        """vLLM's prompt_logprobs: None for the first token, then per token {its id and the top `top`
+        ids: logprob given the tokens before it}; scored in prefill chunks on the scratch pages / slot."""
+        pages, slot = self._score
+        chunk = self.sched_config.max_prefill_chunk
+        out, state_idx = [None], 0
+        for s in range(0, len(ids), chunk):
+            row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot, state_idx=state_idx)
+            logits = self.runner.score_logits(row)
+            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+            for j in range(len(row.tokens)):
+                if s + j + 1 < len(ids):
+                    nxt = ids[s + j + 1]
+                    best = np.argsort(-logp[j])[:top]
+                    out.append({int(t): float(logp[j, t]) for t in (nxt, *best)})
+            state_idx = min(len(row.tokens), self.runner.state_positions) - 1
+        return out
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         req = self.make_request(prompt, params, request_id)
@@ -388,7 +417,8 @@ class EngineCore:
                 "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted)}
 
     def warmup(self, progress: bool = True) -> int:
-        return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress)
+        return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress,
+                                  score=self._score is not None)
 
 
 def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):

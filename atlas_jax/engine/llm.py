@@ -79,7 +79,7 @@ class LLM:
             max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
-            speculative=spec)
+            speculative=spec, enable_prompt_logprobs=a.enable_prompt_logprobs)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 

@@ -30,3 +30,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None    # of the first completion
     error: str | None = None                 # set when the engine failed the request
+    prompt_logprobs: list[dict[int, float] | None] | None = None   # None first, then {prompt token and top n: logprob}

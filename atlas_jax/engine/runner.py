@@ -309,6 +309,13 @@ class ModelRunner:
         ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
         return tuple(next_tokens), jnp.asarray(ok)
 
+    def score_logits(self, row: RowInput) -> np.ndarray:
+        """fp32 logits [len(tokens), V] of one prompt chunk, padded to a prefill token bucket (warmed up
+        with score=True, so serving compiles nothing for it)."""
+        t = next(t for t in self.prefill_token_buckets if t >= len(row.tokens))
+        (logits,) = self._run("logits", (self._segment([row], 1, t),))
+        return np.asarray(logits)[0, :len(row.tokens)]
+
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
         t = bucket(max(len(r.tokens) for r in rows))
@@ -339,7 +346,7 @@ class ModelRunner:
         self._run("restore", ids, jnp.asarray(slot, jnp.int32), (kv,) + tuple(saved[1:]))
 
     # ---- warm-up ----------------------------------------------------------------------------
-    def warmup(self, swap: bool = False, progress: bool = True) -> int:
+    def warmup(self, swap: bool = False, progress: bool = True, score: bool = False) -> int:
         """Compile every serving bucket now (lowered from abstract shapes, nothing runs).
         Returns the number of new compilations."""
         from tqdm import tqdm
@@ -349,6 +356,8 @@ class ModelRunner:
             jobs += [("draft", b) for b in self.decode_buckets]
         if swap:
             jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
+        if score:
+            jobs += [("logits", ((1, tp),)) for tp in self.prefill_token_buckets]
         for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
             self._compile_abstract(kind, shape)
         return self.num_compiles - before
@@ -363,6 +372,9 @@ class ModelRunner:
             seg = StepBatch(i32(shape, 1), i32(shape), i32(shape), i32(shape, self.max_pages_per_seq), i32(shape),
                             i32(shape))
             args = (seg, i32(shape))
+        elif kind == "logits":
+            args = (tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
+                          for b, t in shape),)
         elif kind in ("step", "verify"):
             segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
                          for b, t in shape)

@@ -58,6 +58,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()     # never generated (each word's last token banned after its prefix)
     allowed_token_ids: tuple[int, ...] | None = None   # only these may be sampled
     truncate_prompt_tokens: int | None = None          # keep only the prompt's last k tokens
+    prompt_logprobs: int | None = None  # per prompt token: its logprob + the top n (engine enable_prompt_logprobs)
 
     def __post_init__(self):
         def bad(field, allowed):
@@ -127,6 +128,8 @@ class SamplingParams:
                     and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
                 bad("allowed_token_ids", f"None or a list of 1 to {MAX_ALLOWED_TOKENS} token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
+        if self.prompt_logprobs is not None:
+            integer("prompt_logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.truncate_prompt_tokens is not None:
             integer("truncate_prompt_tokens", 1, INT32_MAX, "None or an integer >= 1")
 

@@ -53,6 +53,7 @@ class _Sampling(BaseModel):
     bad_words: list[str] | None = None
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -75,7 +76,7 @@ class _Sampling(BaseModel):
             skip_special_tokens=self.skip_special_tokens, logit_bias=self._logit_bias(), output_kind="delta",
             min_tokens=self.min_tokens, bad_words=tuple(self.bad_words or ()),
             allowed_token_ids=None if self.allowed_token_ids is None else tuple(self.allowed_token_ids),
-            truncate_prompt_tokens=self.truncate_prompt_tokens)
+            truncate_prompt_tokens=self.truncate_prompt_tokens, prompt_logprobs=self.prompt_logprobs)
 
     def _logit_bias(self) -> dict[int, float]:
         out = {}

@@ -126,5 +126,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                 out.append({"index": i, "message": msg, "logprobs": chat_logprobs(ch.token_ids, ch.logprobs),
                             "finish_reason": finish_reason(ch.finish_reason, calls), "stop_reason": ch.stop_reason})
             completion = sum(len(ch.token_ids) for ch in choices.values())
-            return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion)}
+            first = next(iter(choices.values()), None)
+            extra = {"prompt_logprobs": first.prompt_logprobs} if first and first.prompt_logprobs is not None else {}
+            return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion),
+                    **extra}
         return await engine.offload(response)

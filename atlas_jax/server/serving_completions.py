@@ -43,16 +43,20 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         if body.stream:
             async def events():
-                prompt_tokens, completion = {}, 0
+                prompt_tokens, completion, sent_prompt = {}, 0, set()
                 async for i, out in items:
                     prompt_tokens[i] = len(out.prompt_token_ids)
                     for c in out.outputs:
                         if not c.text and not c.finished and not c.token_ids:
                             continue
                         completion += len(c.token_ids)
-                        yield sse({**head, "choices": [{
-                            "index": i * n + c.index, "text": c.text, "logprobs": choice_logprobs(c.token_ids, c.logprobs),
-                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]})
+                        choice = {"index": i * n + c.index, "text": c.text,
+                                  "logprobs": choice_logprobs(c.token_ids, c.logprobs),
+                                  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if out.prompt_logprobs is not None and (i, c.index) not in sent_prompt:
+                            choice["prompt_logprobs"] = ctx.prompt_logprobs(out.prompt_logprobs)
+                            sent_prompt.add((i, c.index))
+                        yield sse({**head, "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({**head, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion)})
                 yield DONE
@@ -62,8 +66,11 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         def response():
             def one(k, ch: Choice):
-                return {"index": k, "text": ch.text, "logprobs": choice_logprobs(ch.token_ids, ch.logprobs),
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                out = {"index": k, "text": ch.text, "logprobs": choice_logprobs(ch.token_ids, ch.logprobs),
+                       "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                if ch.prompt_logprobs is not None:
+                    out["prompt_logprobs"] = ch.prompt_logprobs
+                return out
             completion = sum(len(ch.token_ids) for ch in choices.values())
             return {**head, "choices": [one(k, ch) for k, ch in choices.items()],
                     "usage": usage(prompt_tokens, completion)}

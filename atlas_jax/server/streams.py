@@ -26,6 +26,7 @@ class Choice:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list | None = None
 
 
 @dataclasses.dataclass
@@ -67,6 +68,13 @@ class ServerContext:
         self.check_model(body.model)
         self.check_capacity()
         return body
+
+    def prompt_logprobs(self, entries) -> list | None:
+        """vLLM's JSON form: None for the first token, then {"token id": {"logprob", "decoded_token"}}."""
+        if entries is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": logprob(v), "decoded_token": self.token_text(t)}
+                                        for t, v in e.items()} for e in entries]
 
     def token_text(self, t: int) -> str:
         tok = self.tokenizer
@@ -195,6 +203,8 @@ class ServerContext:
             prompt_tokens[i] = len(out.prompt_token_ids)
             for c in out.outputs:
                 ch = choices.setdefault(i * n + c.index, Choice())
+                if out.prompt_logprobs is not None:
+                    ch.prompt_logprobs = self.prompt_logprobs(out.prompt_logprobs)
                 ch.text += c.text
                 ch.token_ids += c.token_ids
                 if c.logprobs is not None:
