@@ -30,7 +30,7 @@ def parse_args(argv=None):
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (instead of --num-pages)")
     ap.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
     ap.add_argument("--tool-call-parser", default="auto",
-                    help="tool-call format in replies: auto (from the chat template), qwen3_json (hermes), "
+                    help="tool-call format in replies: auto (from the chat template), qwen3_json (hermes), llama3_json, "
                          "qwen3_xml (qwen3_coder), none")
     ap.add_argument("--reasoning-parser", default="auto",
                     help="split <think>...</think> into reasoning_content: auto (when the template has it), qwen3, none")

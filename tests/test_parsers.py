@@ -40,6 +40,12 @@ CASES = [
      "ok\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nA\nB\n</parameter>\n</function>\n"
      "</tool_call>\n<tool_call>\n<function=other>\n<parameter=n>\n2\n</parameter>\n</function>\n</tool_call>",
      "", "ok\n", [("get_weather", {"city": "A\nB"}), ("other", {"n": 2})]),
+    ("llama3_json", "none", False, '{"name": "get_weather", "parameters": {"city": "Paris; France"}}', "", "",
+     [("get_weather", {"city": "Paris; France"})]),
+    ("llama3_json", "none", False, '<|python_tag|>{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+     "", "", [("a", {}), ("b", {"x": 1})]),
+    ("llama3_json", "none", False, "Hello {not a call}", "Hello {not a call}", "", []),
+    ("llama3_json", "none", False, "  {broken", "  {broken", "", []),
 ]
 
 
@@ -80,6 +86,8 @@ def test_auto_detection_from_template():
     xml = "{{ '<tool_call>\\n<function=' ~ name ~ '>\\n<parameter=' }}"
     assert resolve_tool_parser("auto", xml) == "qwen3_xml"
     assert resolve_tool_parser("auto", "{{ messages }}") == "none"
+    llama3 = open(__file__.replace("test_parsers.py", "templates/llama3.jinja")).read()
+    assert resolve_tool_parser("auto", llama3) == "llama3_json" and resolve_reasoning_parser("auto", llama3) == "none"
     assert resolve_tool_parser("hermes", "") == "qwen3_json" and resolve_tool_parser("qwen3_coder", "") == "qwen3_xml"
     with pytest.raises(ValueError, match="tool-call parser"):
-        resolve_tool_parser("llama3_json", "")
+        resolve_tool_parser("mistral", "")

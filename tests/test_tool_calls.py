@@ -190,3 +190,27 @@ def test_prompt_logprobs_in_both_apis(served):
     r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                        extra_body={"prompt_logprobs": 0})
     assert r.model_extra["prompt_logprobs"][0] is None
+
+
+def test_llama3_style_template_tool_calls(tmp_path):
+    """A Llama-3-style checkpoint: the reply is a bare JSON call (llama3_json, detected from the template);
+    streamed and whole through the openai client; a text reply stays content."""
+    from openai import OpenAI
+
+    from atlas_jax.server.app import build_app
+    engine = ScriptedEngine(_checkpoint(tmp_path, "llama3.jinja"))
+    app = build_app(engine, served_model_name="m")
+    assert app.state.tool_format == "llama3_json" and app.state.reasoning == "none"
+    call = '{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}'
+    engine.replies += [call, call, "Sunny."]
+    with serving(app) as port:
+        client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x")
+        r = _ask(client, False)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.content is None
+        assert json.loads(r.choices[0].message.tool_calls[0].function.arguments) == {"city": "Paris", "days": 2}
+        chunks = list(_ask(client, True))
+        streamed = [tc for ch in chunks for tc in (ch.choices[0].delta.tool_calls or [])]
+        assert [tc.function.name for tc in streamed] == ["get_weather"]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        r = _ask(client, False)
+        assert r.choices[0].message.content == "Sunny." and r.choices[0].message.tool_calls is None

@@ -11,6 +11,8 @@ Tool-call formats (`TOOL_PARSERS`):
 - "qwen3_xml" (Qwen3.5, Qwen3-Coder; vLLM's "qwen3_coder"):
   `<tool_call><function=NAME><parameter=KEY>VALUE</parameter>...</function></tool_call>`, values typed
   by the tool's JSON schema.
+- "llama3_json" (Llama 3.1+): a reply that is a JSON object `{"name": ..., "parameters": {...}}` (several
+  joined by ";"), optionally after `<|python_tag|>`; decided by the reply's first character, held whole.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ import uuid
 
 TOOL_START, TOOL_END = "<tool_call>", "</tool_call>"
 THINK_START, THINK_END = "<think>", "</think>"
-TOOL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "none")
+TOOL_PARSERS = ("auto", "qwen3_json", "qwen3_xml", "llama3_json", "none")
+PYTHON_TAG = "<|python_tag|>"
 TOOL_PARSER_ALIASES = {"hermes": "qwen3_json", "qwen3_coder": "qwen3_xml"}
 REASONING_PARSERS = ("auto", "qwen3", "none")
 
@@ -120,7 +123,11 @@ def resolve_tool_parser(name: str, template_source: str) -> str:
         return name
     if "<function=" in template_source and "<parameter=" in template_source:
         return "qwen3_xml"
-    return "qwen3_json" if TOOL_START in template_source else "none"
+    if TOOL_START in template_source:
+        return "qwen3_json"
+    if "<|start_header_id|>" in template_source and '"parameters"' in template_source:
+        return "llama3_json"
+    return "none"
 
 
 def resolve_reasoning_parser(name: str, template_source: str) -> str:
@@ -134,6 +141,10 @@ def resolve_reasoning_parser(name: str, template_source: str) -> str:
 def forced_opening(fmt: str, tool_choice) -> str:
     """The reply's head the server writes for tool_choice "required" (a tool-call block) or a named
     function (the block up to the arguments), so the model continues a call instead of choosing."""
+    if fmt == "llama3_json":
+        if isinstance(tool_choice, dict):
+            return f'{{"name": {json.dumps(tool_choice["function"]["name"], ensure_ascii=False)}, "parameters": '
+        return '{"name": "' if tool_choice == "required" else ""
     if tool_choice == "required":
         return TOOL_START + "\n"
     if isinstance(tool_choice, dict):
@@ -217,6 +228,45 @@ class ToolStream:
         return out
 
 
+class JsonReplyStream:
+    """llama3_json: a reply whose first non-blank character is "{" (or that starts with <|python_tag|>)
+    is a tool call, held until the end and parsed whole; any other reply is content as it comes."""
+
+    def __init__(self, tools=None):
+        self.tools = tools
+        self.buf = ""
+        self.mode = "start"                                  # start -> call | content
+
+    def feed(self, text: str) -> Delta:
+        if self.mode == "content":
+            return Delta(content=text)
+        self.buf += text
+        head = self.buf.lstrip()
+        if not head or (PYTHON_TAG.startswith(head) and len(head) < len(PYTHON_TAG)):
+            return Delta()
+        if head.startswith("{") or head.startswith(PYTHON_TAG):
+            self.mode = "call"
+            return Delta()
+        self.mode, out, self.buf = "content", self.buf, ""
+        return Delta(content=out)
+
+    def finish(self) -> Delta:
+        text, self.buf = self.buf, ""
+        if self.mode != "call":
+            return Delta(content=text)
+        body = text.strip().removeprefix(PYTHON_TAG)
+        whole = _parse_json_call(body, self.tools)
+        if whole is not None:
+            return Delta(tool_calls=[whole])
+        calls = []
+        for part in (p for p in body.split(";") if p.strip()):
+            call = _parse_json_call(part, self.tools)
+            if call is None:
+                return Delta(content=text)
+            calls.append(call)
+        return Delta(tool_calls=calls)
+
+
 class ReasoningStream:
     """Text in, (reasoning, content) out. `opened`: the prompt already opened the reasoning block
     (a template that ends the generation prompt with `<think>`), so output starts inside it."""
@@ -266,7 +316,8 @@ class OutputParser:
     def __init__(self, tool_format: str = "none", tools=None, reasoning: str = "none", opened: bool = False,
                  prefix: str = ""):
         self.reasoning = ReasoningStream(opened) if reasoning != "none" else None
-        self.tools = ToolStream(tool_format, tools) if tool_format != "none" else None
+        self.tools = (JsonReplyStream(tools) if tool_format == "llama3_json" else ToolStream(tool_format, tools)) \
+            if tool_format != "none" else None
         self.prefix = prefix                                # text the server put at the head of the reply
 
     def feed(self, text: str) -> Delta:
