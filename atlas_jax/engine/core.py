@@ -206,19 +206,12 @@ class EngineCore:
         """vLLM's prompt_logprobs: None for the first token, then per token {its id and the top `top`
         ids: logprob given the tokens before it}; scored in prefill chunks on the scratch pages / slot."""
         pages, slot = self._score
-        chunk = self.sched_config.max_prefill_chunk
-        out, state_idx = [None], 0
-        for s in range(0, len(ids), chunk):
-            row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot, state_idx=state_idx)
-            logits = self.runner.score_logits(row)
-            logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
-            for j in range(len(row.tokens)):
-                if s + j + 1 < len(ids):
-                    nxt = ids[s + j + 1]
-                    best = np.argsort(-logp[j])[:top]
-                    out.append({int(t): float(logp[j, t]) for t in (nxt, *best)})
-            state_idx = min(len(row.tokens), self.runner.state_positions) - 1
-        return out
+        if len(ids) < 2:
+            return [None]
+        logits = self.runner.chunked_logits(ids[:-1], pages, slot, self.sched_config.max_prefill_chunk, warmed=True)
+        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)        # row j predicts ids[j + 1]
+        best = np.argsort(-logp, axis=-1)[:, :top]
+        return [None] + [{int(t): float(logp[j, t]) for t in (ids[j + 1], *best[j])} for j in range(len(ids) - 1)]
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
         req = self.make_request(prompt, params, request_id)
@@ -316,7 +309,7 @@ class EngineCore:
         seq.state_idx = min(n, self.runner.state_positions) - 1
         if seq.num_uncached:
             return                                        # a prompt chunk that did not reach the end
-        seq.append(int(out["tokens"][i]), self.cfg.eos_token_ids, self._logprobs(seq, out, i))
+        seq.append(int(out["tokens"][i]), self._logprobs(seq, out, i))
         touched[seq.request.request_id] = seq.request
         if seq.finished:
             self.scheduler.remove(seq)
@@ -387,7 +380,7 @@ class EngineCore:
         seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
         seq.state_idx = accepted                    # ... and their recurrent state is at this position
         for tok in toks:
-            seq.append(tok, self.cfg.eos_token_ids, None if drafts else self._logprobs(seq, out, i))
+            seq.append(tok, None if drafts else self._logprobs(seq, out, i))
             if seq.finished:
                 break
         touched[seq.request.request_id] = seq.request

@@ -20,7 +20,6 @@ from ..tokenizer import Tokenizer
 from ..weights import load_model_params
 from .args import EngineArgs
 from .core import EngineCore
-from .runner import RowInput
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 
@@ -154,12 +153,7 @@ class LLM:
         try:
             if pages is None or slot is None:
                 raise RuntimeError("no free pages / slot for scoring")
-            out, state_idx = [], 0
-            for s in range(0, len(ids), chunk):
-                row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot[0], state_idx=state_idx)
-                out += self.runner.prompt_logits([row])
-                state_idx = min(len(row.tokens), self.runner.state_positions) - 1
-            return np.concatenate(out, axis=0)
+            return self.runner.chunked_logits(ids, pages, slot[0], chunk)
         finally:
             if pages:
                 blocks.free(pages)

@@ -309,12 +309,21 @@ class ModelRunner:
         ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
         return tuple(next_tokens), jnp.asarray(ok)
 
-    def score_logits(self, row: RowInput) -> np.ndarray:
-        """fp32 logits [len(tokens), V] of one prompt chunk, padded to a prefill token bucket (warmed up
-        with score=True, so serving compiles nothing for it)."""
-        t = next(t for t in self.prefill_token_buckets if t >= len(row.tokens))
-        (logits,) = self._run("logits", (self._segment([row], 1, t),))
-        return np.asarray(logits)[0, :len(row.tokens)]
+    def chunked_logits(self, ids: list[int], pages: list[int], slot: int, chunk: int, warmed: bool = False):
+        """fp32 logits [len(ids), V] of a prompt fed in chunks on `pages` / `slot` (the recurrent state
+        carried between chunks). warmed: chunks padded to the prefill token buckets that warm-up compiles
+        with score=True (serving); else to power-of-two buckets compiled on demand."""
+        out, state_idx = [], 0
+        for s in range(0, len(ids), chunk):
+            row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot, state_idx=state_idx)
+            if warmed:
+                t = next(t for t in self.prefill_token_buckets if t >= len(row.tokens))
+                (logits,) = self._run("logits", (self._segment([row], 1, t),))
+                out.append(np.asarray(logits)[0, :len(row.tokens)])
+            else:
+                out += self.prompt_logits([row])
+            state_idx = min(len(row.tokens), self.state_positions) - 1
+        return np.concatenate(out, axis=0)
 
     def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""

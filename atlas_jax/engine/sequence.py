@@ -72,7 +72,7 @@ class Sequence:
     error: str | None = None
     metrics: RequestMetrics = None             # set in __post_init__
     request: object = None                     # the engine's Request this sequence belongs to
-    eos_ids: tuple[int, ...] = ()              # the model's end tokens (banned before min_tokens)
+    eos_ids: tuple[int, ...] = ()              # the model's end tokens (finish; banned before min_tokens)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words tokenized (each with and without a leading space)
 
     def __post_init__(self):
@@ -107,7 +107,7 @@ class Sequence:
         p = len(self.prompt_ids)
         return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
-    def append(self, token: int, eos_ids: tuple[int, ...], logprobs: dict[int, float] | None = None) -> None:
+    def append(self, token: int, logprobs: dict[int, float] | None = None) -> None:
         """Record a sampled token and decide whether the request is done."""
         self.output_ids.append(token)
         now = time.monotonic()
@@ -120,7 +120,7 @@ class Sequence:
         p = self.params
         early = len(self.output_ids) < p.min_tokens                 # no stop of any kind before min_tokens
         stop_token = token in p.stop_token_ids and not early
-        eos = not p.ignore_eos and token in eos_ids
+        eos = not p.ignore_eos and token in self.eos_ids
         # A stop token's (or EOS's) own text stays out of the output unless include_stop_str_in_output.
         shown = self.output_ids[:-1] if (stop_token or eos) and not p.include_stop_str_in_output else self.output_ids
         if self.detok is not None and self.detok.update(shown, match=not early):
@@ -144,7 +144,7 @@ class Sequence:
                 adjust[t] = -math.inf
         out = self.output_ids
         for word in self.bad_word_ids:
-            if len(word) == 1 or (len(out) >= len(word) - 1 and tuple(out[len(out) - len(word) + 1:]) == word[:-1]):
+            if tuple(out[max(0, len(out) - len(word) + 1):]) == word[:-1]:     # the word's prefix just ended
                 adjust[word[-1]] = -math.inf
         return adjust, p.allowed_token_ids is not None
 
