@@ -37,6 +37,10 @@ class EngineArgs:
                                           "$ATLAS_JAX_HOME/xla_cache)")
     enable_prompt_logprobs: bool = _knob(False, "serve prompt_logprobs (reserves one sequence's pages and a "
                                          "recurrent slot for scoring prompts; compiles the scoring buckets)")
+    enable_prefix_caching: bool = _knob(False, "reuse the KV pages and recurrent-state snapshots of earlier "
+                                        "requests' prefixes (multi-turn chat, shared system prompts, n > 1)")
+    prefix_snapshot_bytes: int | None = _knob(None, "device memory for recurrent-state snapshots of cached prefixes "
+                                              "(default: 4 per running sequence, at least 16, within 2 GiB)")
     speculative: dict | None = _knob(None, "speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, ngram; e.g. "
                                      "'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
 

@@ -17,6 +17,8 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
+from ..state.cache import snapshot_bytes
+from ..state.prefix_cache import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
 from .outputs import CompletionOutput, RequestOutput
@@ -67,14 +69,16 @@ class Request:
                 cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
         return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_ids),
                              outputs=outs, finished=self.finished, metrics=dataclasses.replace(self.seqs[0].metrics),
-                             error=self.error, prompt_logprobs=self.prompt_logprobs)
+                             error=self.error, prompt_logprobs=self.prompt_logprobs,
+                             num_cached_tokens=self.seqs[0].num_prefix_cached or 0)
 
 
 class EngineCore:
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
                  max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
-                 speculative: SpeculativeConfig | None = None, enable_prompt_logprobs: bool = False):
+                 speculative: SpeculativeConfig | None = None, enable_prompt_logprobs: bool = False,
+                 enable_prefix_caching: bool = False, prefix_snapshot_bytes: int | None = None):
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -97,7 +101,9 @@ class EngineCore:
                                   max_verify_tokens=1 + speculative.num_drafts if speculative else 1,
                                   mtp_drafts=speculative.num_drafts if speculative and speculative.method == "mtp" else 0,
                                   mtp_layers=len(params.get("mtp", {}).get("layers", ())),
-                                  self_drafts=bool(speculative) and speculative.method == "self")
+                                  self_drafts=bool(speculative) and speculative.method == "self",
+                                  num_snapshots=self._num_snapshots(enable_prefix_caching, prefix_snapshot_bytes,
+                                                                    dtype, max_num_seqs))
         self.speculative = speculative
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
@@ -108,7 +114,11 @@ class EngineCore:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
             max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,
             swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages))
-        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner))
+        self.prefix_cache = PrefixCache(
+            self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
+            recurrent=bool(cfg.gdn_layers)) if enable_prefix_caching else None
+        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner),
+                                   self.prefix_cache)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)
         self._order = itertools.count()
@@ -116,6 +126,18 @@ class EngineCore:
         self.num_steps = 0
         self.num_failed_requests = 0                 # failed alone by step containment
         self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
+
+    def _num_snapshots(self, enabled: bool, budget: int | None, dtype, max_num_seqs: int) -> int:
+        """Snapshot slots in `budget` bytes (default: 4 per running sequence, at least 16, within 2 GiB)."""
+        size = snapshot_bytes(self.cfg, dtype)
+        if not enabled or not size:
+            return 0
+        if budget is None:
+            return max(1, min(max(16, 4 * max_num_seqs), (2 << 30) // size))
+        if budget < size:
+            raise ValueError(f"prefix_snapshot_bytes ({budget}) is below one snapshot of this model's recurrent "
+                             f"state ({size} bytes)")
+        return budget // size
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
@@ -183,6 +205,8 @@ class EngineCore:
         req = Request(request_id, text, ids, params, seqs)
         for s in seqs:
             s.request = req
+            if self.prefix_cache is not None and s is not seqs[0]:
+                s.fork_leader = seqs[0]             # forks from the first one's cached prompt
         return req
 
     def _bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
@@ -224,7 +248,7 @@ class EngineCore:
             self.num_aborted[reason] = self.num_aborted.get(reason, 0) + 1
             for s in req.seqs:
                 s.finish(reason, error=error)
-                self.scheduler.remove(s)
+                self.scheduler.remove(s, keep=reason != "error")
             req.error = error
         return req
 
@@ -308,11 +332,14 @@ class EngineCore:
         seq.num_cached += n
         seq.state_idx = min(n, self.runner.state_positions) - 1
         if seq.num_uncached:
+            self.scheduler.progressed(seq)
             return                                        # a prompt chunk that did not reach the end
         seq.append(int(out["tokens"][i]), self._logprobs(seq, out, i))
         touched[seq.request.request_id] = seq.request
         if seq.finished:
             self.scheduler.remove(seq)
+        else:
+            self.scheduler.progressed(seq)
 
     def _finish_step(self, touched: dict) -> list[Request]:
         for rid, req in touched.items():
@@ -386,6 +413,8 @@ class EngineCore:
         touched[seq.request.request_id] = seq.request
         if seq.finished:
             self.scheduler.remove(seq)
+        else:
+            self.scheduler.progressed(seq)
 
     @staticmethod
     def _logprobs(seq: Sequence, out, i: int) -> dict[int, float] | None:
@@ -407,11 +436,24 @@ class EngineCore:
                 "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
                 "num_compiles": self.num_compiles, "num_steps": self.num_steps,
-                "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted)}
+                "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
+                "prefix_cache": self.prefix_cache_stats()}
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Token hit rate, cached / idle pages, snapshots (count, bytes), evictions; None when off."""
+        c = self.prefix_cache
+        if c is None:
+            return None
+        st = dict(c.stats)
+        st["hit_rate"] = st["hit_tokens"] / st["query_tokens"] if st["query_tokens"] else 0.0
+        st.update(cached_pages=c.num_nodes(), idle_pages=c.num_idle, snapshots=c.num_snapshots_used,
+                  snapshot_slots=c.num_snapshots,
+                  snapshot_bytes=c.num_snapshots_used * snapshot_bytes(self.cfg, self.runner.dtype))
+        return st
 
     def warmup(self, progress: bool = True) -> int:
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress,
-                                  score=self._score is not None)
+                                  score=self._score is not None, prefix=self.prefix_cache is not None)
 
 
 def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
@@ -442,6 +484,12 @@ class _Swapper:
 
     def restore(self, pages, slot, state) -> None:
         self.runner.restore_sequence_state(pages, slot, state)
+
+    def take_snapshot(self, slot, state_idx, snap) -> None:
+        self.runner.take_snapshot(slot, state_idx, snap)
+
+    def load_prefix(self, slot, snap, cow, tokens, prompt_len) -> None:
+        self.runner.load_prefix(slot, snap, cow, tokens, prompt_len)
 
     @staticmethod
     def nbytes(state) -> int:

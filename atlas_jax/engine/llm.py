@@ -78,7 +78,8 @@ class LLM:
             max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
-            speculative=spec, enable_prompt_logprobs=a.enable_prompt_logprobs)
+            speculative=spec, enable_prompt_logprobs=a.enable_prompt_logprobs,
+            enable_prefix_caching=a.enable_prefix_caching, prefix_snapshot_bytes=a.prefix_snapshot_bytes)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 
@@ -89,6 +90,10 @@ class LLM:
     @property
     def num_compiles(self) -> int:
         return self.engine.num_compiles
+
+    def prefix_cache_stats(self) -> dict | None:
+        """Prefix cache counters (token hit rate, snapshots, evictions); None when caching is off."""
+        return self.engine.prefix_cache_stats()
 
     def spec_stats(self) -> dict:
         """Speculative decoding counters: acceptance rate, mean accepted length, tokens per target step."""

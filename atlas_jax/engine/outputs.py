@@ -31,3 +31,4 @@ class RequestOutput:
     metrics: RequestMetrics | None = None    # of the first completion
     error: str | None = None                 # set when the engine failed the request
     prompt_logprobs: list[dict[int, float] | None] | None = None   # None first, then {prompt token and top n: logprob}
+    num_cached_tokens: int = 0               # prompt tokens served from the prefix cache (first admission)

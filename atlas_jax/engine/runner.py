@@ -24,7 +24,7 @@ from ..batch import StepBatch
 from ..config import ModelConfig
 from ..kernels import XLA, Kernels
 from ..models.mtp import init_mtp_kv
-from ..state.cache import init_state
+from ..state.cache import init_snapshots, init_state
 from . import steps
 from .sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
@@ -72,7 +72,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
                  kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
-                 self_drafts: bool = False):
+                 self_drafts: bool = False, num_snapshots: int = 0):
         self.cfg = cfg
         self.params = params
         self.num_pages = num_pages
@@ -89,7 +89,10 @@ class ModelRunner:
         self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
         self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
                                  init_penalty_state(num_slots, cfg.vocab_size),
-                                 init_mtp_kv(cfg, mtp_layers, num_pages, page_size, dtype) if mtp_drafts else ())
+                                 init_mtp_kv(cfg, mtp_layers, num_pages, page_size, dtype) if mtp_drafts else (),
+                                 init_snapshots(cfg, num_snapshots, dtype))
+        self.num_snapshots = num_snapshots
+        self.dtype = dtype
         self._jitted = {
             "step": jax.jit(functools.partial(steps.step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
             "logits": jax.jit(functools.partial(steps.logits_step, cfg, kernels), donate_argnums=(1,)),
@@ -98,6 +101,8 @@ class ModelRunner:
                              donate_argnums=(1,)),
             "save": jax.jit(steps.save, donate_argnums=(1,)),
             "restore": jax.jit(steps.restore, donate_argnums=(1,)),
+            "snapshot": jax.jit(steps.take_snapshot, donate_argnums=(1,)),
+            "prefix": jax.jit(steps.load_prefix, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
@@ -354,8 +359,25 @@ class ModelRunner:
                     np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])) for k, v in kv_host)
         self._run("restore", ids, jnp.asarray(slot, jnp.int32), (kv,) + tuple(saved[1:]))
 
+    # ---- prefix cache (state/prefix_cache.py) -------------------------------------------------
+    def take_snapshot(self, slot: int, state_idx: int, snap: int) -> None:
+        """Snapshot `snap` := the recurrent state of `slot` at position state_idx (device copy)."""
+        i32 = lambda x: jnp.asarray(x, jnp.int32)
+        self._run("snapshot", i32(slot), i32(state_idx), i32(snap))
+
+    def load_prefix(self, slot: int, snap: int | None, cow: tuple[int, int] | None, tokens: list[int],
+                    prompt_len: int) -> None:
+        """Start `slot` on the cached prefix `tokens`: recurrent state from snapshot `snap`, page
+        cow[1] := page cow[0] (copy-on-write), penalty history rebuilt (steps.load_prefix)."""
+        i32 = lambda x: jnp.asarray(x, jnp.int32)
+        col = np.zeros((self.max_pages_per_seq * self.page_size,), np.int32)
+        col[:len(tokens)] = tokens
+        src, dst = cow if cow is not None else (0, self.num_pages)
+        self._run("prefix", i32(slot), i32(0 if snap is None else snap), i32(src), i32(dst), jnp.asarray(col),
+                  i32(prompt_len), i32(len(tokens)))
+
     # ---- warm-up ----------------------------------------------------------------------------
-    def warmup(self, swap: bool = False, progress: bool = True, score: bool = False) -> int:
+    def warmup(self, swap: bool = False, progress: bool = True, score: bool = False, prefix: bool = False) -> int:
         """Compile every serving bucket now (lowered from abstract shapes, nothing runs).
         Returns the number of new compilations."""
         from tqdm import tqdm
@@ -367,6 +389,8 @@ class ModelRunner:
             jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
         if score:
             jobs += [("logits", ((1, tp),)) for tp in self.prefill_token_buckets]
+        if prefix:
+            jobs += [("prefix", None)] + ([("snapshot", None)] if self.num_snapshots else [])
         for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
             self._compile_abstract(kind, shape)
         return self.num_compiles - before
@@ -398,6 +422,10 @@ class ModelRunner:
                 args += (i32(*shape[0]),)
             args += ((tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp_drafts
                      else None,)
+        elif kind == "snapshot":
+            args = (i32(), i32(), i32())
+        elif kind == "prefix":
+            args = (i32(), i32(), i32(), i32(), i32(self.max_pages_per_seq * self.page_size), i32(), i32())
         else:
             saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())

@@ -13,6 +13,15 @@ free, the running sequence with the least progress (fewest cached tokens; latest
 tie) is preempted, the asking one included: by swap (its pages, slot and penalty history saved to host memory, freed,
 restored bit-exactly later) or by recompute (freed; re-prefilled from its prompt and the
 tokens it already produced). A request that could never fit was refused at admission.
+
+Prefix caching (`cache`, state/prefix_cache.py): admission starts a sequence at its longest
+cached prefix (shared pages retained, a partly used page copied, the recurrent state loaded from
+a snapshot); each step registers the pages it filled; a sequence snapshots its recurrent state at
+its snap points (a prefill chunk is cut to end there), every `snapshot_interval` tokens, and when
+it gives up its pages (finished, aborted, preempted), which it then only releases: registered
+pages stay cached (idle, evictable) until memory is needed, and idle pages are reclaimed before
+anything is preempted. With n > 1 the siblings wait until the first has prefilled the prompt up to
+its last token and then start from that cached state (a fork: pages shared, state copied).
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ import math
 from collections import deque
 
 from ..state.allocator import BlockAllocator, SlotAllocator
+from ..state.prefix_cache import PrefixCache
 from .sequence import Sequence, Status
 
 PREEMPTION_MODES = ("swap", "recompute")
@@ -48,14 +58,18 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator, swapper):
-        """swapper: save(pages, slot) -> host state, restore(pages, slot, state), nbytes(state)."""
+    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator, swapper,
+                 cache: PrefixCache | None = None):
+        """swapper: the device — save(pages, slot) -> host state, restore(pages, slot, state),
+        nbytes(state); with a cache also take_snapshot(slot, state_idx, snap) and
+        load_prefix(slot, snap, cow, tokens, prompt_len) (runner.py)."""
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
         self.config = config
         self.blocks = blocks
         self.slots = slots
         self.swapper = swapper
+        self.cache = cache
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -67,8 +81,9 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a finished or aborted sequence out of every queue and free what it holds."""
+    def remove(self, seq: Sequence, keep: bool = True) -> None:
+        """Take a finished or aborted sequence out of every queue and free what it holds
+        (keep: its cached prefix stays in the prefix cache; False after an engine error)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         if seq in self.running:
@@ -77,12 +92,21 @@ class Scheduler:
             self.swapped.remove(seq)
             self.swap_bytes -= self.swapper.nbytes(seq.swapped_state)
             seq.swapped_state = None
-        self._release(seq)
+        seq.fork_ready = True                           # never leave siblings waiting on a finished leader
+        self._release(seq, snapshot=keep, register=keep)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, snapshot: bool = True, register: bool = True) -> None:
+        """Free seq's pages (cached ones stay in the cache, idle) and slot; first register its
+        prefix and snapshot its recurrent state (while its slot still holds it)."""
+        if self.cache is not None and seq.slot is not None and seq.num_cached > 0 and register:
+            if snapshot:
+                self._snapshot(seq)
+            else:
+                self.cache.cover(seq)
+        seq.nodes = []
         if seq.pages:
             self.blocks.free(seq.pages)
             seq.pages = []
@@ -100,7 +124,7 @@ class Scheduler:
             if seq not in self.running:                       # preempted while making room for another
                 continue
             budget = cfg.max_num_batched_tokens - sum(chosen.values())
-            n = min(seq.num_uncached, cfg.max_prefill_chunk, budget)
+            n = self._chunk(seq, seq.num_cached, budget)
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 continue
             if self._grow(seq, seq.num_cached + n, chosen):
@@ -108,6 +132,12 @@ class Scheduler:
         self._admit(chosen)
         return ScheduledStep(decode=[s for s, n in chosen.items() if n == 1],
                              prefill=[(s, n) for s, n in chosen.items() if n > 1])
+
+    def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
+        """Tokens seq feeds next from position `start`: up to the chunk size, the budget and its next snap point."""
+        n = min(seq.num_tokens - start, self.config.max_prefill_chunk, budget)
+        ahead = [p - start for p in seq.snap_points if p > start]
+        return min([n] + ahead)
 
     @staticmethod
     def _prefill_rows(chosen) -> int:
@@ -138,21 +168,87 @@ class Scheduler:
 
     def _admit(self, chosen: dict) -> None:
         cfg = self.config
-        while self.waiting and not self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
+        i = 0
+        while i < len(self.waiting) and not self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
+            seq = self.waiting[i]
+            if seq.fork_leader is not None and not seq.fork_leader.fork_ready:
+                i += 1                                    # a sibling waits for the shared prompt to be cached
+                continue
             budget = cfg.max_num_batched_tokens - sum(chosen.values())
-            seq = self.waiting[0]
-            n = min(seq.num_uncached, cfg.max_prefill_chunk, budget)
+            hit = self._lookup(seq) if budget > 0 else None
+            start = hit.length if hit is not None else 0
+            n = self._chunk(seq, start, budget)
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 return
-            need = self.blocks.pages_for(n)
+            shared = hit.pages if hit is not None else []
+            keep = shared + ([hit.cow_page] if hit is not None and hit.cow_page is not None else [])
+            self.blocks.retain(keep)                      # out of eviction's reach from here on
+            need = self.blocks.pages_for(start + n) - len(shared)
             if self.blocks.num_free < need + (cfg.watermark_pages if self.running else 0):
+                self.blocks.free(keep)
                 return
-            self.waiting.popleft()
+            del self.waiting[i]
+            if hit is not None:
+                self.cache.record(seq.num_tokens, hit)
+                if seq.num_prefix_cached is None:
+                    seq.num_prefix_cached = hit.length
             seq.slot = self.slots.allocate(1)[0]
-            seq.pages = self.blocks.allocate(need)
+            seq.pages = shared + self.blocks.allocate(need)
+            if start:
+                self._start_from(seq, hit)
+            if hit is not None and hit.cow_page is not None:
+                self.blocks.free([hit.cow_page])
             seq.status = Status.RUNNING
             self._insert_running(seq)
             chosen[seq] = n
+
+    def _lookup(self, seq: Sequence):
+        """seq's cached prefix (None without a cache), and its snap points (branch point, fork point,
+        end of prompt) for the prefill ahead."""
+        if self.cache is None:
+            return None
+        tokens = seq.all_tokens()
+        hit = self.cache.match(tokens, seq.num_tokens - 1, seq.cache_key)
+        p = len(seq.prompt_ids)
+        points = {p}
+        if hit.matched > hit.length and self.cache.recurrent:
+            points.add(hit.matched)                       # a branch point: the next request like it starts here
+        if any(s.fork_leader is seq for s in self.waiting):
+            points.add(p - 1)                             # the fork point of its n > 1 siblings
+        seq.snap_points = sorted(x for x in points if hit.length < x < seq.num_tokens)
+        seq.fork_ready = seq.fork_ready or hit.length >= p - 1
+        return hit
+
+    def _start_from(self, seq: Sequence, hit) -> None:
+        """seq resumes at the cached prefix: its pages hold it (shared, or copied), and its slot
+        gets the snapshot's recurrent state and the prefix's penalty history."""
+        cow = (hit.cow_page, seq.pages[hit.length // self.blocks.page_size]) if hit.cow_page is not None else None
+        self.swapper.load_prefix(seq.slot, hit.snapshot, cow, seq.tokens_between(0, hit.length), len(seq.prompt_ids))
+        seq.num_cached, seq.state_idx = hit.length, 0
+        seq.nodes = list(hit.nodes)
+        seq.last_snapshot = hit.length
+
+    def progressed(self, seq: Sequence) -> None:
+        """After a step advanced seq's num_cached: register its filled pages and take the
+        snapshots due (a snap point reached, or snapshot_interval tokens since the last)."""
+        if self.cache is None:
+            return
+        self.cache.commit(seq)
+        due = bool(seq.snap_points) and seq.snap_points[0] <= seq.num_cached
+        seq.snap_points = [p for p in seq.snap_points if p > seq.num_cached]
+        if due or seq.num_cached - seq.last_snapshot >= self.cache.snapshot_interval:
+            self._snapshot(seq)
+        if seq.num_cached >= len(seq.prompt_ids) - 1:
+            seq.fork_ready = True
+
+    def _snapshot(self, seq: Sequence) -> None:
+        """Cache seq's prefix up to num_cached: its partly filled page, and (recurrent models) its state."""
+        seq.last_snapshot = seq.num_cached
+        sid = self.cache.new_snapshot(seq)
+        if sid is not None:
+            self.swapper.take_snapshot(seq.slot, seq.state_idx, sid)
+        elif not self.cache.recurrent:
+            self.cache.cover(seq)
 
     def _insert_running(self, seq: Sequence) -> None:
         i = next((i for i, s in enumerate(self.running) if s.order > seq.order), len(self.running))
@@ -168,7 +264,7 @@ class Scheduler:
             size = self.swapper.nbytes(state)
             if self.swap_bytes + size <= self.config.swap_space_bytes:
                 self.num_preemptions["swap"] += 1
-                self._release(seq)
+                self._release(seq, snapshot=False)
                 seq.swapped_state, seq.status = state, Status.SWAPPED
                 self.swap_bytes += size
                 i = next((i for i, s in enumerate(self.swapped) if s.order > seq.order), len(self.swapped))

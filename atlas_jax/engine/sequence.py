@@ -74,6 +74,14 @@ class Sequence:
     request: object = None                     # the engine's Request this sequence belongs to
     eos_ids: tuple[int, ...] = ()              # the model's end tokens (finish; banned before min_tokens)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words tokenized (each with and without a leading space)
+    # prefix cache (state/prefix_cache.py)
+    cache_key: int = 0                         # which cache tree: 0 = the base model
+    nodes: list = dataclasses.field(default_factory=list)    # cache nodes of its first full pages, in order
+    snap_points: list[int] = dataclasses.field(default_factory=list)   # positions to snapshot at (ascending)
+    last_snapshot: int = 0                     # position of its latest snapshot (interval snapshots)
+    num_prefix_cached: int | None = None       # tokens its first admission took from the cache
+    fork_leader: "Sequence | None" = None      # n > 1: waits until this sibling has prefilled the prompt
+    fork_ready: bool = False                   # (leader) the prompt's state is cached for its siblings
 
     def __post_init__(self):
         if self.metrics is None:
@@ -99,9 +107,14 @@ class Sequence:
 
     def next_tokens(self, n: int) -> list[int]:
         """The next n uncached tokens (prompt, or outputs being re-prefilled, or the last sampled)."""
-        lo, hi = self.num_cached, self.num_cached + n
+        return self.tokens_between(self.num_cached, self.num_cached + n)
+
+    def tokens_between(self, lo: int, hi: int) -> list[int]:
         p = len(self.prompt_ids)
         return self.prompt_ids[lo:min(hi, p)] + self.output_ids[max(lo - p, 0):max(hi - p, 0)]
+
+    def all_tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_ids)

@@ -25,6 +25,8 @@ class EngineState:
     model: ModelState
     penalties: PenaltyState
     draft_kv: tuple = ()       # the MTP head's (k, v) page pools per MTP layer (empty without MTP)
+    snapshots: tuple = ()      # prefix cache: per GDN layer (h [N, Hv, Dk, Dv] fp32, conv [N, C, K]) recurrent
+                               # state after a cached prefix (state/prefix_cache.py); empty when off
 
 
 def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, mtp_in):
@@ -42,7 +44,7 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
             offset += b
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
-    return (out, drafts), EngineState(model, penalties, draft_kv)
+    return (out, drafts), EngineState(model, penalties, draft_kv, state.snapshots)
 
 
 def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):
@@ -76,7 +78,7 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
             catch.append(segments[1].q_len)
         new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
                                            mtp_drafts, kernels)
-    return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv)
+    return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv, state.snapshots)
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
@@ -117,4 +119,33 @@ def restore(params, state: EngineState, pages, slot, saved):
     ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
     pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
                        state.penalties.out_count.at[slot].set(out_count))
-    return None, EngineState(ModelState(kv=kv[:n], ssm=ssm), pen, kv[n:])
+    return None, EngineState(ModelState(kv=kv[:n], ssm=ssm), pen, kv[n:], state.snapshots)
+
+
+def take_snapshot(params, state: EngineState, slot, idx, snap):
+    """Snapshot `snap` := the recurrent state at (slot, state position idx), every GDN layer."""
+    del params
+    snaps = tuple((sh.at[snap].set(h[slot, idx]), sc.at[snap].set(c[slot, idx]))
+                  for (h, c), (sh, sc) in zip(state.model.ssm, state.snapshots))
+    return None, dataclasses.replace(state, snapshots=snaps)
+
+
+def load_prefix(params, state: EngineState, slot, snap, cow_src, cow_dst, tokens, prompt_len, n):
+    """Start `slot` on a cached prefix of n tokens: its recurrent state (position 0) := snapshot `snap`
+    (every GDN layer), page cow_dst := page cow_src in every KV pool incl. the MTP head's (cow_dst out
+    of range: no copy), and its penalty history rebuilt from tokens[:n] (positions < prompt_len are
+    prompt), as record_fed_tokens would have left it."""
+    del params
+    ssm = tuple((h.at[slot, 0].set(sh[snap]), c.at[slot, 0].set(sc[snap]))
+                for (h, c), (sh, sc) in zip(state.model.ssm, state.snapshots))
+    kv = tuple((k.at[cow_dst].set(k[cow_src], mode="drop"), v.at[cow_dst].set(v[cow_src], mode="drop"))
+               for k, v in state.model.kv + state.draft_kv)
+    pos = jnp.arange(tokens.shape[0])
+    none = state.penalties.in_prompt.shape[0]
+    in_prompt = state.penalties.in_prompt.at[slot].set(False)
+    in_prompt = in_prompt.at[jnp.where((pos < n) & (pos < prompt_len), slot, none), tokens].set(True, mode="drop")
+    out_count = state.penalties.out_count.at[slot].set(0)
+    out_count = out_count.at[jnp.where((pos < n) & (pos >= prompt_len), slot, none), tokens].add(1, mode="drop")
+    m = len(state.model.kv)
+    return None, EngineState(ModelState(kv=kv[:m], ssm=ssm), PenaltyState(in_prompt, out_count), kv[m:],
+                             state.snapshots)

@@ -43,6 +43,24 @@ def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def init_snapshots(cfg: ModelConfig, num_snapshots: int, dtype) -> tuple:
+    """The prefix cache's snapshot pool: per GDN layer (h [N, Hv, Dk, Dv] fp32, conv [N, C, K])."""
+    if not num_snapshots:
+        return ()
+    h = (num_snapshots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    conv = (num_snapshots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim)
+    return tuple((jnp.zeros(h, jnp.float32), jnp.zeros(conv, dtype)) for _ in cfg.gdn_layers)   # distinct buffers
+
+
+def snapshot_bytes(cfg: ModelConfig, dtype) -> int:
+    """Bytes of one snapshot (every GDN layer's h and conv state); 0 for a model without GDN layers."""
+    if not cfg.gdn_layers:
+        return 0
+    per_layer = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+                 + cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * jnp.dtype(dtype).itemsize)
+    return per_layer * len(cfg.gdn_layers)
+
+
 def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
                 state_positions: int = 1) -> int:
     shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype, state_positions)
