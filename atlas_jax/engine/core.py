@@ -205,7 +205,7 @@ class EngineCore:
         req = Request(request_id, text, ids, params, seqs)
         for s in seqs:
             s.request = req
-            if self.prefix_cache is not None and s is not seqs[0]:
+            if self.scheduler.cache is not None and s is not seqs[0]:
                 s.fork_leader = seqs[0]             # forks from the first one's cached prompt
         return req
 
@@ -438,6 +438,22 @@ class EngineCore:
                 "num_compiles": self.num_compiles, "num_steps": self.num_steps,
                 "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
                 "prefix_cache": self.prefix_cache_stats()}
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (idle pages back to the free list, snapshots dropped)."""
+        if self.prefix_cache is not None:
+            self.blocks.take_back(self.prefix_cache.reset())
+
+    def set_prefix_caching(self, on: bool) -> None:
+        """Turn lookups, registration and forks on or off on an engine built with prefix caching
+        (A/B runs on one set of compiled steps: benchmarks, tests). Only while idle; the cache
+        starts empty either way."""
+        if self.prefix_cache is None:
+            raise ValueError("this engine was built without enable_prefix_caching")
+        if self.scheduler.has_work():
+            raise RuntimeError("set_prefix_caching needs an idle engine")
+        self.reset_prefix_cache()
+        self.scheduler.cache = self.prefix_cache if on else None
 
     def prefix_cache_stats(self) -> dict | None:
         """Token hit rate, cached / idle pages, snapshots (count, bytes), evictions; None when off."""

@@ -91,6 +91,9 @@ class LLM:
     def num_compiles(self) -> int:
         return self.engine.num_compiles
 
+    def reset_prefix_cache(self) -> None:
+        self.engine.reset_prefix_cache()
+
     def prefix_cache_stats(self) -> dict | None:
         """Prefix cache counters (token hit rate, snapshots, evictions); None when caching is off."""
         return self.engine.prefix_cache_stats()

@@ -127,12 +127,23 @@ class PrefixCache:
             x = stack.pop()
             x.alive = False
             stack += [c for cs in x.by_first.values() for c in cs]
-            for sid in x.snapshots.values():
+            for sid in list(x.snapshots.values()):
                 self._drop_snapshot(sid)
             del self._by_page[x.page]
             if x.page in self._idle:              # refcount 0: free now; held pages stay with their holders
                 del self._idle[x.page]
                 freed.append(x.page)
+        return freed
+
+    def reset(self) -> int:
+        """Drop every idle page and every snapshot (held pages stay with their holders, uncached).
+        Returns the pages freed."""
+        freed = []
+        for root in self._roots.values():
+            for cs in list(root.by_first.values()):
+                for c in list(cs):
+                    freed += self._detach(c)
+        self._roots.clear()
         return freed
 
     # ---- lookup -------------------------------------------------------------------------------
