@@ -90,6 +90,18 @@ def test_greedy_identity_with_scripted_drafts(engines, mode):
     assert spec.engine.blocks.num_free == spec.num_pages and spec.engine.slots.num_free == spec.max_num_seqs
 
 
+def test_seeded_sampling_identity(engines):
+    """Sampled with a seed, speculation changes nothing: each verify position draws the token plain
+    decoding draws there (same key) and accepts the draft iff it equals it."""
+    _, base, spec, script, prompts = engines
+    script.mode = "right"
+    spec.engine.proposer = ScriptedProposer(script)
+    params = [SamplingParams(temperature=0.25, top_p=0.9, max_tokens=12, ignore_eos=True, seed=s) for s in (1, 2, 3)]
+    out, d = _stats_delta(spec, lambda: _tokens(spec.generate(prompts, params)))
+    assert out == _tokens(base.generate(prompts, params))
+    assert 0 < d["accepted"] < d["drafted"]
+
+
 def test_ngram_identity(engines):
     _, base, spec, _, _ = engines
     rng = np.random.default_rng(1)

@@ -369,11 +369,14 @@ class EngineCore:
     # ---- speculative decoding ---------------------------------------------------------------
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
         """Drafts per decoding sequence, capped by num_drafts, the tokens the request may still emit
-        (a verify emits up to drafts + 1) and the pages that can be had without preempting."""
+        (a verify emits up to drafts + 1) and the pages that can be had without preempting. A row
+        still feeding its prompt's last token gets none: the first token always comes from a plain
+        sample, however the prompt was chunked or served from the prefix cache, so a seeded
+        request's random stream never depends on that."""
         caps = []
         for s in seqs:
             room = s.max_len - s.num_tokens - 1
-            cap = min(self.speculative.num_drafts, room) if wants_drafts(s) else 0
+            cap = min(self.speculative.num_drafts, room) if wants_drafts(s) and s.output_ids else 0
             if cap > 0:
                 cap = min(cap, self.scheduler.lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
             caps.append(max(cap, 0))

@@ -159,21 +159,13 @@ def sample(logits, s: SamplingBatch, ps: PenaltyState | None = None) -> SampleOu
 
 
 def _verify_sampled(logits, drafts, s: SamplingBatch, greedy):
-    """Speculative sampling with deterministic drafts (the draft distribution q is one-hot): accept
-    draft d with probability p(d); on rejection draw from the residual max(p - q, 0), i.e. p with d
-    removed. A position without a draft (d < 0) draws from p with the plain sampler's key."""
-    scaled = _processed(logits, s)
-    keys = _keys(s)
-    u_keys, r_keys = jax.vmap(jax.random.split, out_axes=1)(keys)
-    d = jnp.maximum(drafts, 0)
-    p_d = jnp.take_along_axis(jax.nn.softmax(scaled, axis=-1), d[:, None], axis=1)[:, 0]
-    accept = jax.vmap(jax.random.uniform)(u_keys) < p_d
-    residual = jnp.where((jnp.arange(logits.shape[-1])[None, :] == d[:, None]) & (drafts[:, None] >= 0),
-                         -jnp.inf, scaled)
-    token = jax.vmap(jax.random.categorical)(jnp.where((drafts >= 0)[:, None], r_keys, keys), residual)
-    sampled = s.temperature > 0
-    return (jnp.where(sampled, token.astype(jnp.int32), greedy),
-            jnp.where(sampled, accept & (drafts >= 0), drafts == greedy))
+    """Speculative sampling with deterministic drafts (the draft distribution q is one-hot), coupled
+    to plain sampling: each position draws the token plain decoding would draw there (same key:
+    seed and step, same filters), and the draft is accepted iff it equals that token. So accepting
+    d has probability p(d) and a rejection yields a token distributed as p without d — exact
+    rejection sampling — and a seeded request's output does not depend on which drafts were made."""
+    token = jnp.where(s.temperature > 0, _draw(logits, s), greedy)
+    return token, (drafts >= 0) & (drafts == token)
 
 
 def verify(logits, drafts, s: SamplingBatch):

@@ -215,7 +215,7 @@ class Scheduler:
             points.add(hit.matched)                       # a branch point: the next request like it starts here
         if any(s.fork_leader is seq for s in self.waiting):
             points.add(p - 1)                             # the fork point of its n > 1 siblings
-        seq.snap_points = sorted(x for x in points if hit.length < x < seq.num_tokens)
+        seq.snap_points = sorted(x for x in points if hit.length < x <= seq.num_tokens)
         seq.fork_ready = seq.fork_ready or hit.length >= p - 1
         return hit
 

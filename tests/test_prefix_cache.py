@@ -1,0 +1,207 @@
+"""Prefix caching is exact: on a tiny Qwen3-Next (GDN + attention: hits end at recurrent-state
+snapshots) and a tiny Qwen3 (attention only: hits end at any token), every output with caching on
+equals the output with it off — greedy and seeded sampling — for multi-turn conversations with a
+shared system prompt, prompts shorter than a page, hits ending mid-page and a few tokens past a page
+boundary, exact repeats, n > 1 (forked), swap and recompute preemption, after evictions, and with
+the ngram and self-speculative drafters (MTP: tests/test_mtp.py). Off is the same compiled engine
+with caching switched off (`set_prefix_caching`), so both runs share every executable. After each
+run every page and slot is back (idle cached pages count as free) and no reference is left."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+import hf_models
+
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.engine.speculative import NgramProposer, SelfProposer
+
+ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=192, max_prefill_chunk=32,
+              max_num_batched_tokens=96, warmup=False, compile_cache_dir="", progress=False,
+              enable_prefix_caching=True)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+def seeded(i, n=1):
+    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seed=1000 + i, n=n)
+
+
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
+def model(request, ckpt_dir):
+    maker = hf_models.make_qwen3_next if request.param == "qwen3_next" else hf_models.make_qwen3
+    path, _ = ckpt_dir(f"{request.param}_spec", maker, vocab=256, init_std=0.2)
+    method = "self" if request.param == "qwen3_next" else "ngram"
+    llm = LLM(path, speculative={"method": method, "num_drafts": 3}, **ENGINE)
+    return request.param, llm
+
+
+def drafter(llm, name):
+    return {"none": None, "ngram": NgramProposer(1, 4), "self": SelfProposer(llm.engine)}[name]
+
+
+def ints(rng, n):
+    return [int(t) for t in rng.integers(0, 256, n)]
+
+
+def on_and_off(llm, scenario, *args):
+    """scenario(llm, *args) with caching on, then off; asserts equal outputs and clean accounting."""
+    llm.engine.set_prefix_caching(True)
+    before = dict(llm.prefix_cache_stats())
+    try:
+        on = scenario(llm, *args)
+        check_accounting(llm)
+        stats = {k: v - before[k] for k, v in llm.prefix_cache_stats().items() if k in before and k != "hit_rate"}
+        llm.engine.set_prefix_caching(False)
+        off = scenario(llm, *args)
+        check_accounting(llm)
+    finally:
+        llm.engine.set_prefix_caching(True)
+    assert on["tokens"] == off["tokens"]
+    return on, stats
+
+
+def check_accounting(llm):
+    e = llm.engine
+    assert e.blocks.num_free == e.num_pages and e.slots.num_free == e.slots.capacity
+    assert not any(e.blocks.refcount)
+    if e.prefix_cache is not None:
+        assert e.prefix_cache.num_snapshots_used <= e.prefix_cache.num_snapshots
+
+
+def multiturn(llm, sampled: bool):
+    """3 conversations x 3 turns on a shared 21-token system prompt (cached by two earlier requests:
+    on a hybrid the second finds the branch point and snapshots it); each turn's prompt is the last
+    prompt + its answer + a new user message."""
+    rng = np.random.default_rng(3)
+    params = (lambda i: seeded(i)) if sampled else (lambda i: GREEDY)
+    system = ints(rng, 21)
+    for i in range(2):
+        llm.generate([system + ints(rng, 4)], params(90 + i))
+    prompts = [system + ints(rng, n) for n in (2, 7, 12)]
+    tokens, cached = [], []
+    for turn in range(3):
+        outs = llm.generate(prompts, [params(10 * turn + i) for i in range(3)])
+        tokens += [o.outputs[0].token_ids for o in outs]
+        cached.append([o.num_cached_tokens for o in outs])
+        prompts = [p + o.outputs[0].token_ids + ints(rng, 3 + turn) for p, o in zip(prompts, outs)]
+    return {"tokens": tokens, "cached": cached, "lens": [len(p) for p in prompts]}
+
+
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
+@pytest.mark.parametrize("name", ["none", "ngram", "self"])
+def test_multiturn_exact(model, name, sampled):
+    arch, llm = model
+    if name == "self" and arch == "qwen3":
+        pytest.skip("self-speculative drafting skips recurrent layers; Qwen3 has none")
+    llm.engine.proposer = drafter(llm, name)
+    on, stats = on_and_off(llm, multiturn, sampled)
+    assert all(c >= 21 for c in on["cached"][0])                  # the shared system prompt (cached once)
+    for turn in (1, 2):                                            # the whole previous turn but its last token
+        assert all(c > 21 + 10 for c in on["cached"][turn]), on["cached"]
+    assert stats["hit_tokens"] > 0.5 * stats["query_tokens"]
+
+
+def edges(llm):
+    """Prompts shorter than a page, exact repeats, hits mid-page and 3 tokens past a page boundary."""
+    rng = np.random.default_rng(4)
+    short, p19 = ints(rng, 3), ints(rng, 19)
+    runs = [short, short + ints(rng, 2), short, short,
+            p19 + ints(rng, 9), p19 + ints(rng, 5), p19 + ints(rng, 7), p19 + ints(rng, 6)]
+    outs = [llm.generate(p, GREEDY)[0] for p in runs]
+    return {"tokens": [o.outputs[0].token_ids for o in outs], "cached": [o.num_cached_tokens for o in outs]}
+
+
+def test_edges_exact(model):
+    arch, llm = model
+    llm.engine.proposer = None
+    on, _ = on_and_off(llm, edges)
+    c = on["cached"]
+    assert c[1] == 3 and c[6] == 19 and c[7] == 19               # shorter than a page; 3 past a boundary
+    assert c[3] == 2                                               # an exact repeat re-runs its last token
+    if arch == "qwen3":
+        assert c[2] == 2 and c[5] == 19                            # attention alone: a hit at any token
+    else:
+        assert c[5] == 0                                           # ... a hybrid needs a snapshot: a branch point
+
+
+def forked(llm):
+    rng = np.random.default_rng(5)
+    prompt = ints(rng, 29)
+    outs = llm.generate([prompt, ints(rng, 11)], [seeded(1, n=3), seeded(2, n=2)])
+    return {"tokens": [[c.token_ids for c in o.outputs] for o in outs]}
+
+
+@pytest.mark.parametrize("name", ["none", "ngram"])
+def test_n_forks_the_prompt(model, name):
+    _, llm = model
+    llm.engine.proposer = drafter(llm, name)
+    on, stats = on_and_off(llm, forked)
+    assert stats["hit_tokens"] >= 2 * 28 + 10                      # siblings start at the last prompt token
+    assert len({tuple(t) for t in on["tokens"][0]}) > 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_exact(model, mode):
+    """Few free pages: conversations preempt each other while drafting (ngram) and hitting."""
+    _, llm = model
+    sched = llm.engine.scheduler
+    config = sched.config
+    sched.config = dataclasses.replace(config, preemption_mode=mode)
+    llm.engine.proposer = drafter(llm, "ngram")
+    before = sum(sched.num_preemptions.values())
+
+    def pressed(llm):
+        held = llm.blocks.allocate(llm.num_pages - 20)
+        try:
+            return multiturn(llm, True)
+        finally:
+            llm.blocks.free(held)
+    try:
+        on_and_off(llm, pressed)
+    finally:
+        sched.config = config
+    assert sched.num_preemptions[mode] > 0 and sum(sched.num_preemptions.values()) > before
+
+
+def test_after_evictions(model):
+    """A cache filled by earlier turns, then most pages taken: LRU eviction, and still exact."""
+    _, llm = model
+    llm.engine.proposer = None
+
+    def evicted(llm):
+        first = multiturn(llm, False)
+        held = llm.blocks.allocate(llm.num_pages - 24)          # evicts idle cached pages
+        try:
+            return {"tokens": first["tokens"] + multiturn(llm, False)["tokens"]}
+        finally:
+            llm.blocks.free(held)
+    _, stats = on_and_off(llm, evicted)
+    assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
+
+
+def interleaved(llm):
+    """Hits and misses together on reused slots: 12 requests, 4 slots, half of them repeat a prefix."""
+    rng = np.random.default_rng(6)
+    bases = [ints(rng, n) for n in (14, 27)]
+    prompts = []
+    for i in range(12):
+        prompts.append(bases[i % 2][:10 + i] + ints(rng, 3) if i % 3 else ints(rng, 5 + 2 * i))
+    outs = llm.generate(prompts, [seeded(i) if i % 2 else GREEDY for i in range(12)])
+    return {"tokens": [o.outputs[0].token_ids for o in outs]}
+
+
+def test_isolation_hits_and_misses(model):
+    _, llm = model
+    llm.engine.proposer = None
+    on_and_off(llm, interleaved)
+
+
+def test_reset_and_stats(model):
+    _, llm = model
+    llm.engine.proposer = None
+    llm.generate([list(range(40))], GREEDY)
+    st = llm.prefix_cache_stats()
+    assert st["cached_pages"] > 0 and st["idle_pages"] == st["cached_pages"]
+    llm.reset_prefix_cache()
+    st = llm.prefix_cache_stats()
+    assert st["cached_pages"] == st["snapshots"] == 0 and llm.blocks.num_unused == llm.num_pages
