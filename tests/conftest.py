@@ -33,11 +33,13 @@ def random_prompts(vocab, lengths, seed=0):
 @pytest.fixture(scope="session")
 def default_llm(tmp_path_factory):
     """The embedded default model (Qwen3-Next: GDN + attention + MoE) on one warmed-up engine,
-    shared by every engine-level test module (compiling is the expensive part)."""
+    shared by every engine-level test module (compiling is the expensive part). Prefix caching is
+    on, so every test on it also checks that caching changes no output (tests repeat prompts and
+    compare), and the no-compiles-after-warm-up test covers hits, snapshots and forks."""
     os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
     from atlas_jax import LLM
     return LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
-               max_num_batched_tokens=128, warmup=True, progress=False)
+               max_num_batched_tokens=128, warmup=True, progress=False, enable_prefix_caching=True)
 
 
 @contextlib.contextmanager

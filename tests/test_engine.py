@@ -77,7 +77,9 @@ def test_padding_rows_and_columns_are_inert(llm):
     real tokens' page positions and the real rows' slots change."""
     import jax
     runner = llm.runner
-    before = [np.asarray(x).copy() for x in jax.tree.leaves(runner.state)]
+    pools = lambda: jax.tree.leaves((runner.state.model, runner.state.penalties, runner.state.draft_kv))
+    before = [np.asarray(x).copy() for x in pools()]
+    snapshots = [np.asarray(x).copy() for x in jax.tree.leaves(runner.state.snapshots)]
     pages = llm.blocks.allocate(3)
     slots = llm.slots.allocate(3)
     lengths = [3, 1, 2]
@@ -85,7 +87,9 @@ def test_padding_rows_and_columns_are_inert(llm):
         rows = [RowInput(tokens=[7] * n, start=0, block_table=[pg], slot=sl) for n, pg, sl in zip(lengths, pages, slots)]
         runner.step([rows[1]], [rows[0], rows[2]])
         written = {(pg, pos) for n, pg in zip(lengths, pages) for pos in range(n)}
-        for b, a in zip(before, jax.tree.leaves(runner.state)):
+        for b, a in zip(snapshots, jax.tree.leaves(runner.state.snapshots)):    # prefix cache: untouched
+            np.testing.assert_array_equal(b, np.asarray(a))
+        for b, a in zip(before, pools()):
             a = np.asarray(a)
             if b.ndim == 4 and b.shape[1] == llm.page_size:       # KV pages [P, S, H, D]
                 changed = {tuple(ix) for ix in np.argwhere(np.any(b != a, axis=(2, 3)))}

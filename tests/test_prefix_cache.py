@@ -12,18 +12,14 @@ import numpy as np
 import pytest
 
 import hf_models
+from prefix_scenarios import GREEDY, ints, multiturn, on_and_off, seeded
 
-from atlas_jax import LLM, SamplingParams
+from atlas_jax import LLM
 from atlas_jax.engine.speculative import NgramProposer, SelfProposer
 
 ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=192, max_prefill_chunk=32,
               max_num_batched_tokens=96, warmup=False, compile_cache_dir="", progress=False,
               enable_prefix_caching=True)
-GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-def seeded(i, n=1):
-    return SamplingParams(temperature=0.9, top_p=0.95, max_tokens=10, ignore_eos=True, seed=1000 + i, n=n)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
@@ -39,54 +35,6 @@ def drafter(llm, name):
     return {"none": None, "ngram": NgramProposer(1, 4), "self": SelfProposer(llm.engine)}[name]
 
 
-def ints(rng, n):
-    return [int(t) for t in rng.integers(0, 256, n)]
-
-
-def on_and_off(llm, scenario, *args):
-    """scenario(llm, *args) with caching on, then off; asserts equal outputs and clean accounting."""
-    llm.engine.set_prefix_caching(True)
-    before = dict(llm.prefix_cache_stats())
-    try:
-        on = scenario(llm, *args)
-        check_accounting(llm)
-        stats = {k: v - before[k] for k, v in llm.prefix_cache_stats().items() if k in before and k != "hit_rate"}
-        llm.engine.set_prefix_caching(False)
-        off = scenario(llm, *args)
-        check_accounting(llm)
-    finally:
-        llm.engine.set_prefix_caching(True)
-    assert on["tokens"] == off["tokens"]
-    return on, stats
-
-
-def check_accounting(llm):
-    e = llm.engine
-    assert e.blocks.num_free == e.num_pages and e.slots.num_free == e.slots.capacity
-    assert not any(e.blocks.refcount)
-    if e.prefix_cache is not None:
-        assert e.prefix_cache.num_snapshots_used <= e.prefix_cache.num_snapshots
-
-
-def multiturn(llm, sampled: bool):
-    """3 conversations x 3 turns on a shared 21-token system prompt (cached by two earlier requests:
-    on a hybrid the second finds the branch point and snapshots it); each turn's prompt is the last
-    prompt + its answer + a new user message."""
-    rng = np.random.default_rng(3)
-    params = (lambda i: seeded(i)) if sampled else (lambda i: GREEDY)
-    system = ints(rng, 21)
-    for i in range(2):
-        llm.generate([system + ints(rng, 4)], params(90 + i))
-    prompts = [system + ints(rng, n) for n in (2, 7, 12)]
-    tokens, cached = [], []
-    for turn in range(3):
-        outs = llm.generate(prompts, [params(10 * turn + i) for i in range(3)])
-        tokens += [o.outputs[0].token_ids for o in outs]
-        cached.append([o.num_cached_tokens for o in outs])
-        prompts = [p + o.outputs[0].token_ids + ints(rng, 3 + turn) for p, o in zip(prompts, outs)]
-    return {"tokens": tokens, "cached": cached, "lens": [len(p) for p in prompts]}
-
-
 @pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("name", ["none", "ngram", "self"])
 def test_multiturn_exact(model, name, sampled):
@@ -94,7 +42,7 @@ def test_multiturn_exact(model, name, sampled):
     if name == "self" and arch == "qwen3":
         pytest.skip("self-speculative drafting skips recurrent layers; Qwen3 has none")
     llm.engine.proposer = drafter(llm, name)
-    on, stats = on_and_off(llm, multiturn, sampled)
+    on, _, stats = on_and_off(llm, multiturn, sampled)
     assert all(c >= 21 for c in on["cached"][0])                  # the shared system prompt (cached once)
     for turn in (1, 2):                                            # the whole previous turn but its last token
         assert all(c > 21 + 10 for c in on["cached"][turn]), on["cached"]
@@ -114,7 +62,7 @@ def edges(llm):
 def test_edges_exact(model):
     arch, llm = model
     llm.engine.proposer = None
-    on, _ = on_and_off(llm, edges)
+    on, _, _ = on_and_off(llm, edges)
     c = on["cached"]
     assert c[1] == 3 and c[6] == 19 and c[7] == 19               # shorter than a page; 3 past a boundary
     assert c[3] == 2                                               # an exact repeat re-runs its last token
@@ -135,7 +83,7 @@ def forked(llm):
 def test_n_forks_the_prompt(model, name):
     _, llm = model
     llm.engine.proposer = drafter(llm, name)
-    on, stats = on_and_off(llm, forked)
+    on, _, stats = on_and_off(llm, forked)
     assert stats["hit_tokens"] >= 2 * 28 + 10                      # siblings start at the last prompt token
     assert len({tuple(t) for t in on["tokens"][0]}) > 1
 
@@ -175,7 +123,7 @@ def test_after_evictions(model):
             return {"tokens": first["tokens"] + multiturn(llm, False)["tokens"]}
         finally:
             llm.blocks.free(held)
-    _, stats = on_and_off(llm, evicted)
+    _, _, stats = on_and_off(llm, evicted)
     assert stats["evicted_pages"] > 0 and stats["hit_tokens"] > 0
 
 

@@ -55,6 +55,14 @@ def memory_pressure(llm):
     release()
 
 
+@pytest.fixture
+def no_prefix_cache(llm):
+    """The shared engine caches prefixes; a test of plain chunking / step mixing turns that off."""
+    llm.engine.set_prefix_caching(False)
+    yield
+    llm.engine.set_prefix_caching(True)
+
+
 PROMPTS = random_prompts(512, [23, 5, 61, 2, 40, 17, 9, 33], seed=11)
 
 
@@ -65,7 +73,7 @@ def alone(llm):
 
 
 @pytest.mark.parametrize("chunk", [1, 16, 64])
-def test_batch_invariance_across_chunk_sizes_and_mixed_steps(llm, alone, scheduler_config, chunk):
+def test_batch_invariance_across_chunk_sizes_and_mixed_steps(llm, alone, scheduler_config, no_prefix_cache, chunk):
     scheduler_config(max_prefill_chunk=chunk)
     before = dict(llm.runner.step_counts)
     assert tokens(llm.generate(PROMPTS, GREEDY)) == alone
