@@ -38,7 +38,7 @@ def server(default_llm, tmp_path_factory):
     cmd = [sys.executable, "-m", "atlas_jax.serve", "--port", str(port), "--api-key", KEY, "--page-size", "8",
            "--max-num-seqs", "8", "--max-model-len", "128", "--max-prefill-chunk", "64",
            "--max-num-batched-tokens", "128", "--dtype", "float32", "--served-model-name", "tiny",
-           "--log-level", "warning", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
+           "--log-level", "warning", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--enable-prefix-caching"]
     log_path = tmp_path_factory.mktemp("server") / "server.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
@@ -100,6 +100,20 @@ def test_streaming_matches_non_streaming(client):
     assert chunks[-1].usage.completion_tokens == 10 == whole.usage.completion_tokens
     comp = list(client.completions.create(prompt="Hello", stream=True, **kw))
     assert "".join(c.choices[0].text for c in comp) == client.completions.create(prompt="Hello", **kw).choices[0].text
+
+
+def test_prefix_cache_over_http(client, server):
+    """A second turn reuses the first turn's prompt: usage says how many prompt tokens came from the
+    cache (OpenAI's prompt_tokens_details.cached_tokens), /metrics counts them."""
+    kw = dict(model="tiny", max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    msgs = [{"role": "user", "content": "A prime?"}]
+    first = client.chat.completions.create(messages=msgs, **kw)
+    msgs += [{"role": "assistant", "content": "7"}, {"role": "user", "content": "Ok"}]
+    second = client.chat.completions.create(messages=msgs, **kw)
+    assert 0 < second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens // 2
+    assert _metric(server, "atlas_prefix_cache_hit_tokens") >= second.usage.prompt_tokens_details.cached_tokens
+    assert _metric(server, "atlas_prefix_cache_snapshots") > 0
 
 
 def test_stop_n_and_logprobs(client):

@@ -35,6 +35,18 @@ class Metrics:
               ).set_function(lambda: engine.engine.stats()["num_aborted"].get("abort", 0))
         Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
             lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
+        if engine.engine.prefix_cache is not None:
+            cache = lambda key: engine.engine.prefix_cache_stats()[key]
+            for key, doc in (("query_tokens", "Prompt tokens looked up in the prefix cache"),
+                             ("hit_tokens", "Prompt tokens served from the prefix cache"),
+                             ("hit_rate", "Prefix cache hit rate in tokens (hit / query)"),
+                             ("cached_pages", "KV pages registered in the prefix cache"),
+                             ("idle_pages", "Cached KV pages no sequence holds (evictable)"),
+                             ("evicted_pages", "Cached KV pages evicted"),
+                             ("snapshots", "Recurrent-state snapshots held"),
+                             ("snapshot_bytes", "Bytes of recurrent-state snapshots held"),
+                             ("evicted_snapshots", "Recurrent-state snapshots evicted")):
+                Gauge(f"atlas_prefix_cache_{key}", doc, registry=r).set_function(lambda key=key: cache(key))
         if engine.engine.speculative is not None:
             spec = lambda key: engine.engine.spec_stats.summary()[key] or 0.0
             for key, doc in (("drafted", "Draft tokens verified"), ("accepted", "Draft tokens accepted"),

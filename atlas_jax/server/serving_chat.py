@@ -12,7 +12,7 @@ from ..tokenizer import check_unicode
 from .guard import APIError
 from .parsers import THINK_END, THINK_START, Delta, OutputParser, forced_opening
 from .protocol import ChatCompletionRequest
-from .streams import DONE, ServerContext, guarded, logprob, sse, usage
+from .streams import DONE, ServerContext, guarded, logprob, prompt_count, sse, usage
 
 
 def render_chat(ctx: ServerContext, body) -> str:
@@ -71,10 +71,10 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         if body.stream:
             async def events():
-                sent_role, completion, prompt_tokens = set(), 0, 0
+                sent_role, completion, prompt_tokens = set(), 0, (0, 0)
                 parsers, calls = {}, {}
                 async for _, out in items:
-                    prompt_tokens = len(out.prompt_token_ids)
+                    prompt_tokens = prompt_count(out)
                     for c in out.outputs:
                         completion += len(c.token_ids)
                         p = parsers.setdefault(c.index, parser())
@@ -103,7 +103,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                             "finish_reason": finish_reason(c.finish_reason, made), "stop_reason": c.stop_reason}]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({**head, "object": "chat.completion.chunk", "choices": [],
-                               "usage": usage(prompt_tokens, completion)})
+                               "usage": usage([prompt_tokens], completion)})
                 yield DONE
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 

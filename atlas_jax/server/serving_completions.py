@@ -9,7 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from .guard import APIError
 from .protocol import CompletionRequest
-from .streams import DONE, Choice, ServerContext, guarded, logprob, sse, usage
+from .streams import DONE, Choice, ServerContext, guarded, logprob, prompt_count, sse, usage
 
 MAX_PROMPTS = 64                    # prompts in one request
 
@@ -45,7 +45,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             async def events():
                 prompt_tokens, completion, sent_prompt = {}, 0, set()
                 async for i, out in items:
-                    prompt_tokens[i] = len(out.prompt_token_ids)
+                    prompt_tokens[i] = prompt_count(out)
                     for c in out.outputs:
                         if not c.text and not c.finished and not c.token_ids:
                             continue
@@ -58,7 +58,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                             sent_prompt.add((i, c.index))
                         yield sse({**head, "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
-                    yield sse({**head, "choices": [], "usage": usage(sum(prompt_tokens.values()), completion)})
+                    yield sse({**head, "choices": [], "usage": usage(prompt_tokens.values(), completion)})
                 yield DONE
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 

@@ -194,13 +194,13 @@ class ServerContext:
                 return
             yield item
 
-    async def collect(self, request, items, n: int) -> tuple[dict[int, Choice], int]:
+    async def collect(self, request, items, n: int) -> tuple[dict[int, Choice], list]:
         """A non-streaming response's choices (index = prompt index * n + completion index) and its
-        prompt tokens, from the delta outputs."""
+        prompts' (tokens, cached tokens), from the delta outputs."""
         choices: dict[int, Choice] = {}
-        prompt_tokens: dict[int, int] = {}
+        prompt_tokens: dict[int, tuple[int, int]] = {}
         async for i, out in self.until_disconnect(request, items):
-            prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_tokens[i] = prompt_count(out)
             for c in out.outputs:
                 ch = choices.setdefault(i * n + c.index, Choice())
                 if out.prompt_logprobs is not None:
@@ -211,7 +211,7 @@ class ServerContext:
                     ch.logprobs = (ch.logprobs or []) + c.logprobs
                 if c.finished:
                     ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
-        return dict(sorted(choices.items())), sum(prompt_tokens.values())
+        return dict(sorted(choices.items())), list(prompt_tokens.values())
 
 
 def sse(obj) -> str:
@@ -235,10 +235,16 @@ async def guarded(events):
         yield DONE
 
 
-def usage(prompt: int, completion: int) -> dict:
-    """OpenAI's usage object (no prefix cache yet: no prompt token is served from cache)."""
+def prompt_count(out) -> tuple[int, int]:
+    """A request output's (prompt tokens, of which served from the prefix cache)."""
+    return len(out.prompt_token_ids), out.num_cached_tokens
+
+
+def usage(prompts, completion: int) -> dict:
+    """OpenAI's usage object; prompts: (tokens, cached tokens) per prompt of the response."""
+    prompt, cached = sum(p for p, _ in prompts), sum(c for _, c in prompts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": 0}}
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def logprob(v: float) -> float:
