@@ -14,8 +14,8 @@ import pytest
 import hf_models
 from prefix_scenarios import GREEDY, ints, multiturn, on_and_off, seeded
 
-from atlas_jax import LLM
-from atlas_jax.engine.speculative import NgramProposer, SelfProposer
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer, SelfProposer
 
 ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=192, max_prefill_chunk=32,
               max_num_batched_tokens=96, warmup=False, compile_cache_dir="", progress=False,
@@ -153,3 +153,20 @@ def test_reset_and_stats(model):
     llm.reset_prefix_cache()
     st = llm.prefix_cache_stats()
     assert st["cached_pages"] == st["snapshots"] == 0 and llm.blocks.num_unused == llm.num_pages
+
+
+def test_stop_inside_accepted_drafts(model):
+    """A stop token in the middle of an accepted run ends the output early while the cache holds
+    the state after every accepted draft: the sequence caches only what its tokens describe."""
+    _, llm = model
+    prompt = ints(np.random.default_rng(7), 21)
+    truth = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    llm.engine.proposer = ScriptedProposer(lambda seq, k: truth[len(seq.output_ids):len(seq.output_ids) + k])
+    params = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[truth[4]])
+
+    def stopped(llm):
+        outs = [llm.generate(prompt + extra, params)[0] for extra in ([], [], [5])]
+        assert all(o.error is None for o in outs) and outs[0].outputs[0].finish_reason == "stop"
+        return {"tokens": [o.outputs[0].token_ids for o in outs]}
+    on, _, _ = on_and_off(llm, stopped)
+    assert on["tokens"][0] == truth[:truth.index(truth[4]) + 1]

@@ -22,6 +22,10 @@ class Seq:
     nodes: list = dataclasses.field(default_factory=list)
     cache_key: int = 0
 
+    @property
+    def num_tokens(self):
+        return len(self.tokens)
+
     def token_at(self, i):
         return self.tokens[i]
 

@@ -202,7 +202,7 @@ class PrefixCache:
         """Register seq's full pages up to its num_cached (its KV there is final). seq: a Sequence
         (pages, nodes, num_cached, token_at, tokens_between, cache_key)."""
         ps, la = self.ps, self.la
-        while (len(seq.nodes) + 1) * ps <= seq.num_cached:
+        while (len(seq.nodes) + 1) * ps <= _known(seq):
             k = len(seq.nodes)
             parent = seq.nodes[-1] if seq.nodes else self._root(seq.cache_key)
             if not parent.alive:
@@ -250,7 +250,7 @@ class PrefixCache:
         """(node, offset): where the KV of seq's first num_cached tokens ends, registering seq's
         partly filled page if no node holds those tokens yet. None if its chain is not cached."""
         self.commit(seq)
-        ps, la, pos = self.ps, self.la, seq.num_cached
+        ps, la, pos = self.ps, self.la, _known(seq)
         k, m = divmod(pos, ps)
         if len(seq.nodes) < k or pos == 0:
             return None
@@ -280,7 +280,7 @@ class PrefixCache:
         """A snapshot slot for seq's recurrent state after its num_cached tokens (the caller copies
         the state into it), or None: nothing to do (no recurrent layers, the chain is not cached, or
         the snapshot exists)."""
-        if not self.recurrent:
+        if not self.recurrent or seq.num_cached != _known(seq):
             return None
         cov = self.cover(seq)
         if cov is None:
@@ -319,6 +319,12 @@ class PrefixCache:
 
     def num_nodes(self) -> int:
         return len(self._by_page)
+
+
+def _known(seq) -> int:
+    """How many of seq's cached tokens the cache can describe: a stop inside an accepted run of
+    drafts leaves state for tokens the output does not keep (num_cached > tokens - 1)."""
+    return min(seq.num_cached, seq.num_tokens - 1)
 
 
 def _common_prefix(a: tuple, b, offset: int) -> int:
