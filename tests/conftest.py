@@ -42,6 +42,33 @@ def default_llm(tmp_path_factory):
                max_num_batched_tokens=128, warmup=True, progress=False, enable_prefix_caching=True)
 
 
+SPEC_ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
+                   max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
+
+
+@pytest.fixture(scope="session")
+def spec_pair(ckpt_dir):
+    """spec_pair(family) -> (base, spec) for "qwen3_next" / "qwen3": a tiny checkpoint (init 0.2, slow
+    GDN decay: a wrong state changes tokens) on a plain engine and on a speculative one (3 drafts;
+    self-speculative for Qwen3-Next, ngram for Qwen3) built with prefix caching, switched off until a
+    test turns it on. Tests swap its drafter (`engine.proposer`); each engine compiles once a session."""
+    import hf_models
+    from atlas_jax import LLM
+    made = {}
+
+    def get(family):
+        if family not in made:
+            maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
+            path, _ = ckpt_dir(f"{family}_spec", maker, vocab=256, init_std=0.2)
+            method = "self" if family == "qwen3_next" else "ngram"
+            spec = LLM(path, speculative={"method": method, "num_drafts": 3}, enable_prefix_caching=True,
+                       **SPEC_ENGINE)
+            spec.engine.set_prefix_caching(False)
+            made[family] = (LLM(path, **SPEC_ENGINE), spec)
+        return made[family]
+    return get
+
+
 @contextlib.contextmanager
 def serving(app):
     """uvicorn serving `app` in a thread on a free loopback port (real sockets); yields the port."""

@@ -17,7 +17,9 @@ def ints(rng, n):
 
 
 def on_and_off(llm, scenario, *args):
-    """scenario(llm, *args) with caching on, then off; asserts equal outputs and clean accounting."""
+    """scenario(llm, *args) with caching on, then off; asserts equal outputs and clean accounting.
+    Leaves caching as it found it."""
+    was_on = llm.engine.scheduler.cache is not None
     llm.engine.set_prefix_caching(True)
     before = dict(llm.prefix_cache_stats())
     try:
@@ -28,7 +30,7 @@ def on_and_off(llm, scenario, *args):
         off = scenario(llm, *args)
         check_accounting(llm)
     finally:
-        llm.engine.set_prefix_caching(True)
+        llm.engine.set_prefix_caching(was_on)
     assert on["tokens"] == off["tokens"]
     return on, off, stats
 

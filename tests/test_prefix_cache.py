@@ -11,24 +11,16 @@ import dataclasses
 import numpy as np
 import pytest
 
-import hf_models
 from prefix_scenarios import GREEDY, ints, multiturn, on_and_off, seeded
 
-from atlas_jax import LLM, SamplingParams
+from atlas_jax import SamplingParams
 from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer, SelfProposer
-
-ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=192, max_prefill_chunk=32,
-              max_num_batched_tokens=96, warmup=False, compile_cache_dir="", progress=False,
-              enable_prefix_caching=True)
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
-def model(request, ckpt_dir):
-    maker = hf_models.make_qwen3_next if request.param == "qwen3_next" else hf_models.make_qwen3
-    path, _ = ckpt_dir(f"{request.param}_spec", maker, vocab=256, init_std=0.2)
-    method = "self" if request.param == "qwen3_next" else "ngram"
-    llm = LLM(path, speculative={"method": method, "num_drafts": 3}, **ENGINE)
-    return request.param, llm
+def model(request, spec_pair):
+    """(family, llm): the session's speculative engine of the family (conftest.spec_pair), drafter set per test."""
+    return request.param, spec_pair(request.param)[1]
 
 
 def drafter(llm, name):
@@ -147,12 +139,41 @@ def test_isolation_hits_and_misses(model):
 def test_reset_and_stats(model):
     _, llm = model
     llm.engine.proposer = None
-    llm.generate([list(range(40))], GREEDY)
-    st = llm.prefix_cache_stats()
-    assert st["cached_pages"] > 0 and st["idle_pages"] == st["cached_pages"]
-    llm.reset_prefix_cache()
-    st = llm.prefix_cache_stats()
-    assert st["cached_pages"] == st["snapshots"] == 0 and llm.blocks.num_unused == llm.num_pages
+    llm.engine.set_prefix_caching(True)
+    try:
+        llm.generate([list(range(40))], GREEDY)
+        st = llm.prefix_cache_stats()
+        assert st["cached_pages"] > 0 and st["idle_pages"] == st["cached_pages"]
+        llm.reset_prefix_cache()
+        st = llm.prefix_cache_stats()
+        assert st["cached_pages"] == st["snapshots"] == 0 and llm.blocks.num_unused == llm.num_pages
+    finally:
+        llm.engine.set_prefix_caching(False)
+
+
+def test_interval_snapshots_during_decode(model):
+    """Every snapshot_interval tokens (16 here) a sequence snapshots, decode included: a later prompt
+    that extends the answer part-way hits at the last interval snapshot within it."""
+    arch, llm = model
+    llm.engine.proposer = drafter(llm, "ngram")
+    cache = llm.engine.prefix_cache
+    rng = np.random.default_rng(8)
+    prompt, extra = ints(rng, 40), ints(rng, 3)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    def extended(llm):
+        first = llm.generate(prompt, params)[0].outputs[0].token_ids
+        second = llm.generate(prompt + first[:20] + extra, GREEDY)[0]
+        return {"tokens": [first, second.outputs[0].token_ids], "cached": second.num_cached_tokens}
+    saved, cache.snapshot_interval = cache.snapshot_interval, 16
+    try:
+        on, _, stats = on_and_off(llm, extended)
+    finally:
+        cache.snapshot_interval = saved
+    if arch == "qwen3_next":
+        assert 40 < on["cached"] < 60 and stats["snapshots_taken"] >= 3
+    else:
+        assert on["cached"] == 60
 
 
 def test_stop_inside_accepted_drafts(model):

@@ -12,13 +12,12 @@ import numpy as np
 import pytest
 
 import hf_models
-from conftest import random_prompts
+from conftest import SPEC_ENGINE, random_prompts
 
 from atlas_jax import LLM, SamplingParams
-from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer
+from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer, SelfProposer
 
-ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
-              max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
+ENGINE = SPEC_ENGINE
 NUM_DRAFTS = 3
 LENGTHS = [5, 20, 70]               # decode-sized, one chunk, chunks carrying state (chunk 64)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -45,12 +44,11 @@ class Script:
 
 
 @pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
-def engines(request, ckpt_dir):
-    maker = hf_models.make_qwen3_next if request.param == "qwen3_next" else hf_models.make_qwen3
-    path, _ = ckpt_dir(f"{request.param}_spec", maker, vocab=256, init_std=0.2)
-    base = LLM(path, **ENGINE)
+def engines(request, spec_pair):
+    """(family, base, spec, script, prompts): the session's engine pair (conftest.spec_pair; tests set
+    spec's drafter), a Script of the base's greedy outputs."""
+    base, spec = spec_pair(request.param)
     script = Script(256)
-    spec = LLM(path, speculative={"method": "scripted", "num_drafts": NUM_DRAFTS, "propose": script}, **ENGINE)
     prompts = random_prompts(256, LENGTHS, seed=5)
     for p, o in zip(prompts, base.generate(prompts, GREEDY)):
         script.truth[tuple(p)] = o.outputs[0].token_ids
@@ -242,17 +240,19 @@ def test_speculative_sampling_matches_target_distribution(ckpt_dir):
     assert stat < _chi2_critical(len(obs) - 1), (stat, obs, exp)
 
 
-def test_self_speculative_identity(ckpt_dir):
+def test_self_speculative_identity(engines, ckpt_dir):
     """Drafts from the model without its GDN layers (one compiled draft step), verified by the full model."""
-    path, _ = ckpt_dir("qwen3_next_spec", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
-    spec = LLM(path, speculative={"method": "self", "num_drafts": 2}, **ENGINE)
-    base = LLM(path, **ENGINE)
-    prompts = random_prompts(256, LENGTHS, seed=5)
-    assert _tokens(spec.generate(prompts, GREEDY)) == _tokens(base.generate(prompts, GREEDY))
-    assert spec.runner.step_counts["draft"] > 0 and spec.spec_stats()["drafted"] > 0
-    qwen3, _ = ckpt_dir("qwen3_spec", hf_models.make_qwen3, vocab=256, init_std=0.2)
-    with pytest.raises(ValueError, match="no recurrent layers"):
-        LLM(qwen3, speculative={"method": "self"}, **ENGINE)
+    family, base, spec, _, prompts = engines
+    if family != "qwen3_next":
+        qwen3, _ = ckpt_dir("qwen3_spec", hf_models.make_qwen3, vocab=256, init_std=0.2)
+        with pytest.raises(ValueError, match="no recurrent layers"):
+            LLM(qwen3, speculative={"method": "self"}, **ENGINE)
+        return
+    spec.engine.proposer = SelfProposer(spec.engine)
+    drafts = spec.runner.step_counts["draft"]
+    out, d = _stats_delta(spec, lambda: _tokens(spec.generate(prompts, GREEDY)))
+    assert out == _tokens(base.generate(prompts, GREEDY))
+    assert spec.runner.step_counts["draft"] > drafts and d["drafted"] > 0
 
 
 def test_every_k_up_to_8(engines):
