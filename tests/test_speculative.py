@@ -255,6 +255,7 @@ def test_self_speculative_identity(engines, ckpt_dir):
     assert spec.runner.step_counts["draft"] > drafts and d["drafted"] > 0
 
 
+@pytest.mark.slow
 def test_every_k_up_to_8(engines):
     """num_drafts 7, rows drafting 1 .. 7 right tokens: verify steps of every K in 2..8 (one compiled
     step per (batch, K)), output identical."""

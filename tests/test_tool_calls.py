@@ -41,7 +41,7 @@ class ScriptedEngine:
                  "num_compiles": 0, "num_aborted": {}}
         self.engine = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size),
                                             num_pages=1, slots=types.SimpleNamespace(capacity=1), stats=lambda: stats,
-                                            speculative=None)
+                                            speculative=None, prefix_cache=None)
         self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
         self.replies, self.prompts = [], []
 
