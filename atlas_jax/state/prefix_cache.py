@@ -236,11 +236,10 @@ class PrefixCache:
             if y is node or len(y.tokens) == self.ps or _common_prefix(y.key(self.la), key, 0) < len(y.key(self.la)):
                 continue
             for off, sid in list(y.snapshots.items()):
-                del y.snapshots[off]
                 if off in node.snapshots:
-                    self._free_snaps.append(sid)
-                    del self._snaps[sid]
+                    self._drop_snapshot(sid)
                 else:
+                    del y.snapshots[off]
                     node.snapshots[off] = sid
                     self._snaps[sid].node = node
             if y.page in self._idle:
