@@ -1,22 +1,25 @@
-"""The embedded default model: a deterministic random-init tiny Qwen3-Next, written on first
-use as a real HF-format checkpoint (config.json, model.safetensors with an MTP head,
-tokenizer.json from a byte-level BPE trained with `tokenizers`), so the default path runs
-through the same loader as any downloaded checkpoint. Its text is noise: it exists to
-exercise the engine end to end until a trained model ships.
+"""The embedded default model, and tiny random checkpoints for tests and benchmarks.
+
+`default_model_path()` is atlas-tiny, shipped inside the package (assets/atlas-tiny: config.json,
+model.safetensors with an MTP head, tokenizer.json, chat_template.jinja, README.md = the model card):
+a ~10M-parameter Qwen3-Next trained by scripts/train_tiny.py on the Python standard library. It is what
+`LLM()`, `python -m atlas_jax.serve` and `python -m atlas_jax.generate` load when no model is given.
+
+`write_tiny_random_model(path)` writes a deterministic random-init Qwen3-Next at test scale (hidden 128,
+vocab 512, an MTP head) as a real HF-format checkpoint: tests and benchmarks exercise the engine on it,
+where compile time, not text quality, is what matters.
 """
 from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
-NAME = "tiny-qwen3-next-v1"
+DEFAULT_MODEL = "atlas-tiny"
 _SEED = 20261129
 
-DEFAULT_CONFIG = {  # config.json of the default model (vocab and special ids are added from the tokenizer)
+TINY_RANDOM_CONFIG = {  # config.json of the random test model (vocab and special ids come from the tokenizer)
     "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
     "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 4, "full_attention_interval": 4,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -57,19 +60,11 @@ capital of France. 0 1 2 3 4 5 6 7 8 9 10 100 1000
 
 
 def default_model_path() -> str:
-    """Path of the default checkpoint, creating it on first use ($ATLAS_JAX_HOME or ~/.cache/atlas_jax)."""
-    home = os.environ.get("ATLAS_JAX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "atlas_jax")
-    path = os.path.join(home, NAME)
+    """The shipped atlas-tiny checkpoint directory."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets", DEFAULT_MODEL)
     if not os.path.exists(os.path.join(path, "model.safetensors")):
-        os.makedirs(home, exist_ok=True)
-        tmp = tempfile.mkdtemp(dir=home, prefix=f".{NAME}-")
-        try:
-            write_default_model(tmp)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.replace(tmp, path)   # atomic: a half-written model is never visible
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        raise FileNotFoundError(f"the default model is missing from the package ({path}); reinstall atlas_jax "
+                                "or pass a model directory")
     return path
 
 
@@ -115,10 +110,10 @@ def write_random_checkpoint(path: str, config: dict, seed: int = _SEED) -> None:
         json.dump(config, f, indent=2)
 
 
-def write_default_model(path: str) -> None:
+def write_tiny_random_model(path: str) -> None:
     tok = _train_tokenizer(512)
     eos = tok.token_to_id("<|endoftext|>")
-    config = {**DEFAULT_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
+    config = {**TINY_RANDOM_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
     write_random_checkpoint(path, config)
     tok.save(os.path.join(path, "tokenizer.json"))
     with open(os.path.join(path, "generation_config.json"), "w") as f:

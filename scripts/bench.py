@@ -4,6 +4,10 @@
     python scripts/bench.py ... --speculative ngram [--num-drafts 2]   # + speculative decoding side by side
     python scripts/bench.py --make qwen3-next-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
+    python scripts/bench.py --code-prompts --speculative mtp   # the shipped atlas-tiny on real code
+With no checkpoint it measures the shipped default model. Prompts are random token ids, or with
+--code-prompts windows of the standard library's held-out files (a trained model's drafts only get
+accepted on text like its training data).
 Reports tokens/s per batch size, the weight bytes one decode step must read (dense weights +
 the top-k experts' share), the achieved GB/s, the device's memory bandwidth measured in the same
 run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the engine; GPU: a
@@ -22,11 +26,11 @@ import jax
 import numpy as np
 
 from atlas_jax import LLM, SamplingParams
-from atlas_jax.default_model import DEFAULT_CONFIG
+from atlas_jax.default_model import TINY_RANDOM_CONFIG
 
-# The default model's architecture, scaled up: 12 layers (9 GDN + 3 attention), hidden 1024, 16 experts.
+# The tiny random model's architecture, scaled up: 12 layers (9 GDN + 3 attention), hidden 1024, 16 experts.
 QWEN3_NEXT_12L = {
-    **DEFAULT_CONFIG, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
+    **TINY_RANDOM_CONFIG, "vocab_size": 32000, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 12,
     "num_attention_heads": 8, "head_dim": 128, "linear_num_key_heads": 8,
     "linear_num_value_heads": 16, "linear_key_head_dim": 64, "linear_value_head_dim": 64, "num_experts": 16,
     "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
@@ -79,6 +83,8 @@ def main():
                     "accepted, the ceiling of the verify machinery) side by side: tokens/s, acceptance, and "
                     "whether greedy outputs are identical")
     ap.add_argument("--num-drafts", type=int, default=2)
+    ap.add_argument("--code-prompts", action="store_true", help="prompts cut from the standard library's "
+                    "held-out files (scripts/train_tiny.py's split) instead of random token ids")
     ap.add_argument("--kernels", default="auto", help="auto (Pallas on GPU), xla, pallas")
     args = ap.parse_args()
     ckpt = args.ckpt
@@ -110,8 +116,10 @@ def main():
         return out[len(seq.output_ids):len(seq.output_ids) + k]
     method = {"method": "scripted", "propose": oracle} if args.speculative == "oracle" else {"method": args.speculative}
     spec = LLM(ckpt, speculative={**method, "num_drafts": args.num_drafts}, **engine) if args.speculative else None
+    code = code_prompts(llm.tokenizer, args.prompt, max(batches)) if args.code_prompts else None
     for b in batches:
-        prompts = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)] for _ in range(b)]
+        prompts = code[:b] if code else [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)]
+                                         for _ in range(b)]
         full = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
         first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         compiles = llm.num_compiles
@@ -144,6 +152,16 @@ def main():
             result[f"decode_b{top}_over_b1"] = round(result["batches"][top]["decode_tokens_per_s"]
                                                      / b1["decode_tokens_per_s"], 2)
     print(json.dumps(result))
+
+
+def code_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
+    """`count` prompts of `length` tokens: the openings of held-out standard-library files long enough."""
+    from train_tiny import corpus_splits
+    _, held = corpus_splits()
+    prompts = [ids[:length] for ids in (tokenizer.encode(t) for t in held) if len(ids) >= length]
+    if len(prompts) < count:
+        raise SystemExit(f"only {len(prompts)} held-out files have {length} tokens")
+    return prompts[:count]
 
 
 def _spec_throughput(spec, plain, prompts, full, first, steps) -> dict:

@@ -31,15 +31,24 @@ def random_prompts(vocab, lengths, seed=0):
 
 
 @pytest.fixture(scope="session")
-def default_llm(tmp_path_factory):
-    """The embedded default model (Qwen3-Next: GDN + attention + MoE) on one warmed-up engine,
-    shared by every engine-level test module (compiling is the expensive part). Prefix caching is
-    on, so every test on it also checks that caching changes no output (tests repeat prompts and
-    compare), and the no-compiles-after-warm-up test covers hits, snapshots and forks."""
-    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
+def tiny_model_path(tmp_path_factory):
+    """The tiny random Qwen3-Next checkpoint (GDN + attention + MoE + MTP head, vocab 512)."""
+    from atlas_jax.default_model import write_tiny_random_model
+    path = str(tmp_path_factory.mktemp("tiny-qwen3-next"))
+    write_tiny_random_model(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def default_llm(tiny_model_path):
+    """The tiny random Qwen3-Next on one warmed-up engine, shared by every engine-level test module
+    (compiling is the expensive part). Prefix caching is on, so every test on it also checks that
+    caching changes no output (tests repeat prompts and compare), and the no-compiles-after-warm-up
+    test covers hits, snapshots and forks."""
     from atlas_jax import LLM
-    return LLM(dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128, max_prefill_chunk=64,
-               max_num_batched_tokens=128, warmup=True, progress=False, enable_prefix_caching=True)
+    return LLM(tiny_model_path, dtype="float32", page_size=8, max_num_seqs=8, max_model_len=128,
+               max_prefill_chunk=64, max_num_batched_tokens=128, warmup=True, progress=False,
+               enable_prefix_caching=True)
 
 
 SPEC_ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,

@@ -132,11 +132,9 @@ def test_unsupported_shapes_are_refused_not_miscompiled():
 
 
 @pytest.fixture(scope="module")
-def compiled_kernel_engine(tmp_path_factory):
-    """The embedded default model (GDN + attention + MoE + MTP) with compiled-kernel steps; nothing is
-    compiled or run here (warmup=False): the steps are only lowered for CUDA."""
-    import os
-    os.environ.setdefault("ATLAS_JAX_HOME", str(tmp_path_factory.mktemp("home")))
+def compiled_kernel_engine():
+    """The shipped default model, atlas-tiny (GDN + attention + MoE + MTP), with compiled-kernel steps;
+    nothing is compiled or run here (warmup=False): the steps are only lowered for CUDA."""
     from atlas_jax import LLM
     return LLM(kernels=Kernels(pallas=True), dtype="bfloat16", page_size=16, max_num_seqs=8, max_model_len=256,
                max_prefill_chunk=64, warmup=False, progress=False, compile_cache_dir="",

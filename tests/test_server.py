@@ -31,11 +31,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(default_llm, tmp_path_factory):
+def server(default_llm, tiny_model_path, tmp_path_factory):
     """Same engine shape as the shared default engine, so its compiled steps come from the cache.
     Its output goes to a file (a pipe nobody reads would block the server once full)."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "atlas_jax.serve", "--port", str(port), "--api-key", KEY, "--page-size", "8",
+    cmd = [sys.executable, "-m", "atlas_jax.serve", "--model", tiny_model_path, "--port", str(port), "--api-key", KEY, "--page-size", "8",
            "--max-num-seqs", "8", "--max-model-len", "128", "--max-prefill-chunk", "64",
            "--max-num-batched-tokens", "128", "--dtype", "float32", "--served-model-name", "tiny",
            "--log-level", "warning", "--shutdown-timeout", str(SHUTDOWN_TIMEOUT), "--enable-prefix-caching"]

@@ -308,3 +308,14 @@ def test_streamed_deltas_with_speculation(engines):
     assert sum((c.outputs[0].token_ids for c in chunks), []) == script.truth[tuple(prompts[1])]
     assert any(len(c.outputs[0].token_ids) > 1 for c in chunks)        # a verify step emitted several
     assert chunks[-1].finished
+
+
+def test_spec_stats_acceptance_by_position():
+    """Per-position acceptance (vLLM's per-position counts): position j's rate is over rows that drafted j."""
+    from atlas_jax.engine.speculative import SpecStats
+    stats = SpecStats()
+    for drafted, accepted in ((3, 1), (2, 2), (3, 0), (1, 1)):
+        stats.record(drafted, accepted)
+    summary = stats.summary()
+    assert summary["acceptance_by_position"] == [0.75, round(1 / 3, 4), 0.0]
+    assert summary["acceptance_rate"] == 4 / 9

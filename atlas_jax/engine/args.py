@@ -17,7 +17,7 @@ def _knob(default, help: str, *, choices=None, flag: str | None = None):
 
 @dataclasses.dataclass
 class EngineArgs:
-    model: str | None = _knob(None, "HF checkpoint directory (default: the embedded tiny model)")
+    model: str | None = _knob(None, "HF checkpoint directory (default: the shipped atlas-tiny model)")
     dtype: str = _knob("auto", "auto (bf16 on accelerators, fp32 on CPU), bfloat16, float32")
     kernels: str = _knob("auto", "attention / GDN / MoE implementation: auto (Pallas on GPU), xla, pallas",
                          choices=KERNELS)

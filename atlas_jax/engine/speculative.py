@@ -151,6 +151,8 @@ class SpecStats:
     accepted_hist: dict = dataclasses.field(default_factory=dict)    # accepted count -> rows
     decode_row_steps: int = 0    # decoding rows over all decode / verify steps, drafts or not
     decode_tokens: int = 0       # tokens those rows emitted
+    drafted_at: list = dataclasses.field(default_factory=list)     # [j]: rows that carried a j-th draft
+    accepted_at: list = dataclasses.field(default_factory=list)    # [j]: rows whose j-th draft was accepted
 
     def record_decode(self, rows: int, tokens: int) -> None:
         self.decode_row_steps += rows
@@ -162,6 +164,10 @@ class SpecStats:
         self.accepted += num_accepted
         self.emitted += num_accepted + 1
         self.accepted_hist[num_accepted] = self.accepted_hist.get(num_accepted, 0) + 1
+        for counts, n in ((self.drafted_at, num_drafted), (self.accepted_at, num_accepted)):
+            counts.extend([0] * (n - len(counts)))
+            for j in range(n):
+                counts[j] += 1
 
     def summary(self) -> dict:
         return {"verify_steps": self.verify_steps, "rows": self.rows, "drafted": self.drafted,
@@ -169,4 +175,7 @@ class SpecStats:
                 "acceptance_rate": self.accepted / self.drafted if self.drafted else None,
                 "mean_accepted_length": self.emitted / self.rows if self.rows else None,
                 "tokens_per_target_step": self.decode_tokens / self.decode_row_steps if self.decode_row_steps else None,
-                "accepted_hist": dict(sorted(self.accepted_hist.items()))}
+                "accepted_hist": dict(sorted(self.accepted_hist.items())),
+                # P(draft j accepted | drafted): j = 0 is the first-draft acceptance rate
+                "acceptance_by_position": [round((self.accepted_at[j] if j < len(self.accepted_at) else 0) / d, 4)
+                                           for j, d in enumerate(self.drafted_at)]}

@@ -38,11 +38,13 @@ def recurrent(q, k, v, g, beta, s0, all_states: bool = False):
     return jnp.moveaxis(ys, 0, 1), s
 
 
+@jax.custom_vjp
 def unit_lower_inverse(a):
     """(I + a)^-1 for strictly lower-triangular a [..., C, C], by forward substitution:
     row i of T is e_i - a[i, :] @ T (rows >= i of T are still identity, and a[i, j >= i] = 0).
     Pure jnp on purpose: XLA:CPU's LAPACK trsm custom call parallelises on the intra-op pool
-    and deadlocks when two run concurrently on a 2-thread pool (jaxlib 0.10.2)."""
+    and deadlocks when two run concurrently on a 2-thread pool (jaxlib 0.10.2).
+    Gradient (training): d(A^-1) = -A^-1 dA A^-1, so dL/da = -T^T (dL/dT) T^T on the strict lower triangle."""
     c = a.shape[-1]
     eye = jnp.eye(c, dtype=a.dtype)
 
@@ -50,6 +52,20 @@ def unit_lower_inverse(a):
         r = eye[i] - jnp.einsum("...j,...jk->...k", a[..., i, :], t)
         return t.at[..., i, :].set(r)
     return jax.lax.fori_loop(1, c, row, jnp.broadcast_to(eye, a.shape))
+
+
+def _unit_lower_inverse_fwd(a):
+    t = unit_lower_inverse(a)
+    return t, t
+
+
+def _unit_lower_inverse_bwd(t, dt):
+    da = -jnp.einsum("...ji,...jk,...lk->...il", t, dt, t)
+    c = t.shape[-1]
+    return (jnp.where(jnp.arange(c)[:, None] > jnp.arange(c)[None, :], da, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):

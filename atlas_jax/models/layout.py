@@ -27,6 +27,15 @@ class ParamSpec:
             return t.reshape(t.shape[0], t.shape[-1])
         return t
 
+    def to_hf(self, a: np.ndarray) -> list[np.ndarray]:
+        """Inverse of convert: one param array -> the HF tensor(s), in hf_names order."""
+        parts = list(a) if len(self.hf_names) > 1 else [a]
+        if self.kind == "linear":
+            parts = [p.T for p in parts]
+        elif self.kind == "conv":
+            parts = [p.reshape(self.hf_shape) for p in parts]
+        return parts
+
     @property
     def shape(self) -> tuple[int, ...]:
         one = self.convert(np.empty(self.hf_shape, np.int8)).shape
@@ -99,6 +108,20 @@ def set_path(tree: dict, path: tuple, value) -> None:
     for key in path[:-1]:
         node = node.setdefault(key, {})
     node[path[-1]] = value
+
+
+def get_path(tree, path: tuple):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def hf_tensors(params, specs) -> dict[str, np.ndarray]:
+    """A param pytree -> {HF tensor name: array}: what a checkpoint writer saves."""
+    out = {}
+    for spec in specs:
+        out.update(zip(spec.hf_names, spec.to_hf(np.asarray(get_path(params, spec.path)))))
+    return out
 
 
 def as_lists(tree):

@@ -1,0 +1,377 @@
+"""Train atlas-tiny: a small Qwen3-Next (GDN + gated attention + MoE with a shared expert + an MTP
+head) on the Python standard library's own source, and export it as an HF-format checkpoint.
+
+The forward is the engine's own (`models.decoder.forward` over a fresh state, `models.mtp.mtp_forward`
+for the head): one prefill segment of [batch, seq] tokens, so training and serving run the same math.
+Loss = CE(next token) + mtp_weight * CE(token after next through the MTP head), as Qwen3-Next's MTP is
+trained. Data: files split by a hash of their path (held out: 1 in 20); the training stream is the
+tokenized files joined by <|endoftext|>; batches are windows drawn from a seeded RNG keyed by step, so
+a resumed run (orbax checkpoints every --ckpt-every steps) sees exactly the batches it would have.
+
+  python scripts/train_tiny.py --out /tmp/atlas-tiny --minutes 55      # train + export
+  python scripts/train_tiny.py --out /tmp/atlas-tiny --eval-only       # held-out numbers of the export
+Prints one JSON object at the end (held-out loss, bits per byte, throughput, completions).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import math
+import os
+import sys
+import sysconfig
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+CONFIG = {  # config.json (vocab and special ids are added from the tokenizer)
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6, "full_attention_interval": 3,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
+    "linear_value_head_dim": 64, "linear_conv_kernel_dim": 4,
+    "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 96,
+    "shared_expert_intermediate_size": 256, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 4096,
+    "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+    "num_nextn_predict_layers": 1, "torch_dtype": "float32", "router_aux_loss_coef": 0.001,
+}
+
+
+# ---------------------------------------------------------------- data
+
+def stdlib_dir() -> str:
+    return sysconfig.get_paths()["stdlib"]
+
+
+def python_files(root: str, skip=("site-packages", "dist-packages")) -> list[str]:
+    files = sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))
+    return [f for f in files if not any(f"{os.sep}{s}{os.sep}" in f for s in skip)]
+
+
+def is_held_out(relpath: str) -> bool:
+    return int(hashlib.sha1(relpath.encode()).hexdigest(), 16) % 20 == 0
+
+
+def read_texts(files: list[str]) -> list[str]:
+    texts = []
+    for f in files:
+        try:
+            with open(f, encoding="utf-8") as fh:
+                text = fh.read()
+        except (UnicodeDecodeError, OSError):
+            continue
+        if text.strip():
+            texts.append(text)
+    return texts
+
+
+def corpus_splits(max_files: int | None = None) -> tuple[list[str], list[str]]:
+    """(train texts, held-out texts) of the interpreter's standard library (max_files: a spread subset)."""
+    root = stdlib_dir()
+    files = python_files(root)
+    if max_files:
+        files = files[::max(1, len(files) // max_files)]
+    train = [f for f in files if not is_held_out(os.path.relpath(f, root))]
+    held = [f for f in files if is_held_out(os.path.relpath(f, root))]
+    return read_texts(train), read_texts(held)
+
+
+def outside_texts() -> list[str]:
+    """Python code from outside the standard library: the pinned jinja2 package's source."""
+    import jinja2
+    return read_texts(python_files(os.path.dirname(jinja2.__file__), skip=()))
+
+
+def train_tokenizer(texts: list[str], vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def token_stream(tok, texts: list[str]) -> np.ndarray:
+    eos = tok.token_to_id("<|endoftext|>")
+    ids = []
+    for enc in tok.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return np.asarray(ids, np.int32)
+
+
+def batch_at(stream: np.ndarray, step: int, batch: int, width: int, seed: int) -> np.ndarray:
+    """The step's [batch, width] windows (a pure function of (seed, step): resumable)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(stream) - width, size=batch)
+    return np.stack([stream[s:s + width] for s in starts])
+
+
+# ---------------------------------------------------------------- model
+
+def init_params(cfg, seed: int):
+    """Fresh params in the engine's tree layout: linears ~ N(0, 1/fan_in) (output projections scaled by
+    1/sqrt(2 * layers)), zero-centred norms at 0 (scale 1), GDN gates as Qwen3-Next initialises them."""
+    import jax.numpy as jnp
+
+    from atlas_jax.models import family
+    from atlas_jax.models.layout import as_lists, set_path
+
+    rng = np.random.default_rng(seed)
+    out_scale = (2 * (cfg.num_layers + 1)) ** -0.5
+    tree: dict = {}
+    for spec in family(cfg.model_type).param_specs(cfg, mtp_layers=1):
+        name, shape = spec.path[-1], spec.shape
+        if name == "A_log":
+            value = np.log(rng.uniform(1.0, 16.0, shape))
+        elif name == "dt_bias" or (name == "norm" and "gdn" in spec.path):
+            value = np.ones(shape)
+        elif "norm" in str(name):
+            value = np.zeros(shape)
+        elif name == "embed":
+            value = rng.standard_normal(shape) * 0.02
+        elif name == "conv":
+            value = rng.standard_normal(shape) * shape[-1] ** -0.5
+        else:
+            fan_in = shape[-2]
+            value = rng.standard_normal(shape) * fan_in ** -0.5
+            if name in ("o", "out", "down"):
+                value *= out_scale
+        set_path(tree, spec.path, jnp.asarray(value, jnp.float32))
+    return as_lists(tree)
+
+
+def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16):
+    """loss(params, windows [batch, seq + 2]) -> (total, (main CE, MTP CE)); CE in nats per token."""
+    import jax
+    import jax.numpy as jnp
+
+    from atlas_jax.batch import StepBatch
+    from atlas_jax.models.decoder import forward, lm_head
+    from atlas_jax.models.mtp import init_mtp_kv, mtp_forward
+    from atlas_jax.state.cache import init_state
+
+    pages = -(-seq // page_size)
+
+    def ce(logits, targets):
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+    def loss(params, windows):
+        inputs, nxt, after = windows[:, :seq], windows[:, 1:seq + 1], windows[:, 2:seq + 2]
+        seg = StepBatch(tokens=inputs, q_len=jnp.full((batch,), seq, jnp.int32),
+                        start=jnp.zeros((batch,), jnp.int32),
+                        block_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
+                        slot=jnp.arange(batch, dtype=jnp.int32), state_idx=jnp.zeros((batch,), jnp.int32))
+        state = init_state(cfg, batch * pages, page_size, batch, jnp.float32)
+        (logits,), hidden, _ = forward(params, state, (seg,), cfg, all_logits=True, all_hidden=True)
+        main = ce(logits, nxt)
+        kv = init_mtp_kv(cfg, 1, batch * pages, page_size, jnp.float32)
+        out, _ = mtp_forward(params, kv, (seg,), nxt.reshape(-1), hidden, cfg)
+        mtp = ce(lm_head(params, out), after.reshape(-1))
+        return main + mtp_weight * mtp, (main, mtp)
+
+    return loss
+
+
+# ---------------------------------------------------------------- export
+
+def export(out: str, params, config: dict, tok, card: str | None = None) -> None:
+    """Write the HF-format checkpoint: config.json, model.safetensors (incl. mtp.*), tokenizer files."""
+    from safetensors.numpy import save_file
+
+    from atlas_jax.config import ModelConfig
+    from atlas_jax.models import family
+    from atlas_jax.models.layout import hf_tensors
+
+    cfg = ModelConfig.from_dict(config)
+    tensors = hf_tensors(params, family(cfg.model_type).param_specs(cfg, mtp_layers=1))
+    os.makedirs(out, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v, np.float32) for k, v in tensors.items()},
+              os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    tok.save(os.path.join(out, "tokenizer.json"))
+    eos = tok.token_to_id("<|endoftext|>")
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [eos, tok.token_to_id("<|im_end|>")]}, f, indent=2)
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                   "pad_token": "<|endoftext|>", "bos_token": None, "unk_token": None,
+                   "additional_special_tokens": SPECIAL_TOKENS[1:],
+                   "model_max_length": config["max_position_embeddings"]}, f, indent=2)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    if card is not None:
+        with open(os.path.join(out, "README.md"), "w") as f:
+            f.write(card)
+
+
+# ---------------------------------------------------------------- evaluation
+
+def evaluate(loss_fn, params, stream: np.ndarray, texts: list[str], batch: int, seq: int,
+             max_tokens: int | None = None) -> dict:
+    """Mean next-token CE over non-overlapping windows covering `stream` (the last partial batch dropped;
+    at most max_tokens scored), and bits per byte = CE / (ln 2 * the stream's UTF-8 bytes per token)."""
+    width = seq + 2
+    n_windows = (len(stream) - 2) // seq
+    n_batches = max(1, n_windows // batch)
+    if max_tokens:
+        n_batches = max(1, min(n_batches, max_tokens // (batch * seq)))
+    main = mtp = 0.0
+    for b in range(n_batches):
+        rows = [stream[(b * batch + i) * seq:(b * batch + i) * seq + width] for i in range(batch)]
+        rows = [np.pad(r, (0, width - len(r))) for r in rows]
+        _, (m, t) = loss_fn(params, np.stack(rows))
+        main += float(m)
+        mtp += float(t)
+    main, mtp = main / n_batches, mtp / n_batches
+    tokens_scored = n_batches * batch * seq
+    bytes_per_token = sum(len(t.encode()) for t in texts) / len(stream)
+    return {"loss": round(main, 4), "mtp_loss": round(mtp, 4), "tokens": tokens_scored,
+            "bytes_per_token": round(bytes_per_token, 3), "bits_per_byte": round(main / math.log(2) / bytes_per_token, 4)}
+
+
+# ---------------------------------------------------------------- main
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="export directory (the HF-format checkpoint)")
+    ap.add_argument("--work", default=None, help="orbax checkpoints + tokenized corpus (default: OUT.work)")
+    ap.add_argument("--seed", type=int, default=20261130)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=4000, help="schedule length (the cosine decays over it)")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after this much training time")
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--mtp-weight", type=float, default=0.5)
+    ap.add_argument("--ckpt-every", type=int, default=100)
+    ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--config", default=None, help="JSON overrides of the model config (tests: a tinier model)")
+    ap.add_argument("--max-files", type=int, default=None, help="train on a spread subset of the files (tests)")
+    ap.add_argument("--eval-tokens", type=int, default=None, help="score at most this many tokens per split")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+    from tqdm import tqdm
+
+    from atlas_jax.config import ModelConfig
+
+    work = os.path.abspath(args.work or args.out.rstrip("/") + ".work")
+    os.makedirs(work, exist_ok=True)
+    train_texts, held_texts = corpus_splits(args.max_files)
+    tok_path = os.path.join(work, "tokenizer.json")
+    if os.path.exists(tok_path):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(tok_path)
+    else:
+        tok = train_tokenizer(train_texts, args.vocab)
+        tok.save(tok_path)
+    stream_path = os.path.join(work, "train_tokens.npy")
+    if os.path.exists(stream_path):
+        train_stream = np.load(stream_path)
+    else:
+        train_stream = token_stream(tok, train_texts)
+        np.save(stream_path, train_stream)
+    held_stream = token_stream(tok, held_texts)
+    outside = outside_texts()
+    outside_stream = token_stream(tok, outside)
+
+    config = {**CONFIG, **json.loads(args.config or "{}"), "vocab_size": tok.get_vocab_size(),
+              "eos_token_id": tok.token_to_id("<|endoftext|>"), "bos_token_id": None,
+              "pad_token_id": tok.token_to_id("<|endoftext|>")}
+    cfg = ModelConfig.from_dict(config)
+    loss_fn = make_loss(cfg, args.batch, args.seq, args.mtp_weight)
+    eval_loss = jax.jit(loss_fn)
+
+    warmup = min(args.warmup, args.steps // 10 + 1)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps + 1, args.lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=0.1,
+                                  mask=lambda p: jax.tree.map(lambda a: a.ndim >= 2, p)))
+
+    @jax.jit
+    def train_step(params, opt_state, windows):
+        (total, (main, mtp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, windows)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, main, mtp
+
+    params = init_params(cfg, args.seed)
+    opt_state = opt.init(params)
+    mngr = ocp.CheckpointManager(os.path.join(work, "ckpt"),
+                                 options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1))
+    step = 0
+    trained_s = 0.0
+    if mngr.latest_step() is not None:
+        like = {"params": params, "opt_state": opt_state, "trained_s": np.zeros((), np.float64)}
+        restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(like))
+        params, opt_state = restored["params"], restored["opt_state"]
+        step, trained_s = mngr.latest_step(), float(restored["trained_s"])
+        print(f"resumed at step {step} ({trained_s / 60:.1f} min trained)", file=sys.stderr)
+
+    def save(at):
+        mngr.save(at, args=ocp.args.StandardSave(
+            {"params": params, "opt_state": opt_state, "trained_s": np.asarray(trained_s)}), force=True)
+
+    n_params = sum(a.size for a in jax.tree.leaves(params))
+    width = args.seq + 2
+    if not args.eval_only and step < args.steps:
+        bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
+        t_last, tokens_since = time.perf_counter(), 0
+        while step < args.steps and (args.minutes is None or trained_s < args.minutes * 60):
+            windows = jnp.asarray(batch_at(train_stream, step, args.batch, width, args.seed))
+            t0 = time.perf_counter()
+            params, opt_state, main, mtp = train_step(params, opt_state, windows)
+            main, mtp = float(main), float(mtp)
+            trained_s += time.perf_counter() - t0
+            step += 1
+            tokens_since += args.batch * args.seq
+            if not math.isfinite(main):
+                raise FloatingPointError(f"loss is {main} at step {step}")
+            now = time.perf_counter()
+            bar.set_postfix(loss=f"{main:.3f}", mtp=f"{mtp:.3f}", tok_s=f"{tokens_since / (now - t_last):.0f}")
+            bar.update(1)
+            if step % args.ckpt_every == 0:
+                save(step)
+                t_last, tokens_since = time.perf_counter(), 0
+        bar.close()
+        if mngr.latest_step() != step:
+            save(step)
+    mngr.wait_until_finished()
+
+    report = {
+        "params": int(n_params), "steps": step, "train_tokens": step * args.batch * args.seq,
+        "train_minutes": round(trained_s / 60, 1), "corpus": f"Python {sys.version.split()[0]} Lib/ "
+        f"({len(train_texts)} train / {len(held_texts)} held-out files)",
+        "train_stream_tokens": int(len(train_stream)),
+        "held_out": evaluate(eval_loss, params, held_stream, held_texts, args.batch, args.seq, args.eval_tokens),
+        "outside_stdlib": evaluate(eval_loss, params, outside_stream, outside, args.batch, args.seq,
+                                   args.eval_tokens),
+    }
+    export(args.out, jax.tree.map(np.asarray, params), config, tok)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
