@@ -46,7 +46,7 @@ CONFIG = {  # config.json (vocab and special ids are added from the tokenizer)
     "mlp_only_layers": [], "rms_norm_eps": 1e-6, "hidden_act": "silu", "max_position_embeddings": 4096,
     "tie_word_embeddings": False, "attention_bias": False, "attention_dropout": 0.0,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
-    "num_nextn_predict_layers": 1, "torch_dtype": "float32", "router_aux_loss_coef": 0.001,
+    "num_nextn_predict_layers": 1, "torch_dtype": "float32",
 }
 
 
@@ -191,8 +191,9 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16)
 
 # ---------------------------------------------------------------- export
 
-def export(out: str, params, config: dict, tok, card: str | None = None) -> None:
-    """Write the HF-format checkpoint: config.json, model.safetensors (incl. mtp.*), tokenizer files."""
+def export(out: str, params, config: dict, tok) -> None:
+    """Write the HF-format checkpoint: config.json, model.safetensors (incl. mtp.*), tokenizer files
+    (the model card, README.md, is written by hand from the run's JSON and scripts/eval_tiny.py's)."""
     from safetensors.numpy import save_file
 
     from atlas_jax.config import ModelConfig
@@ -217,9 +218,6 @@ def export(out: str, params, config: dict, tok, card: str | None = None) -> None
                    "model_max_length": config["max_position_embeddings"]}, f, indent=2)
     with open(os.path.join(out, "chat_template.jinja"), "w") as f:
         f.write(CHAT_TEMPLATE)
-    if card is not None:
-        with open(os.path.join(out, "README.md"), "w") as f:
-            f.write(card)
 
 
 # ---------------------------------------------------------------- evaluation

@@ -36,11 +36,11 @@ CHATS["tool_round_trip_object"] = [CHATS["tool_round_trip"][0], {"role": "assist
                                    CHATS["tool_round_trip"][2], CHATS["tool_round_trip"][2]]
 
 
-def checkpoint(tmp_path, template_name, where):
-    """A tokenizer directory as HF checkpoints have them; the template in chat_template.jinja,
-    tokenizer_config's string, or its named list."""
+def checkpoint(tmp_path, template_name, where, tokenizer_from=None):
+    """A tokenizer directory as HF checkpoints have them (tokenizer.json of `tokenizer_from`, default the
+    shipped model's); the template in chat_template.jinja, tokenizer_config's string, or its named list."""
     src = open(os.path.join(TEMPLATES, template_name)).read()
-    shutil.copy(os.path.join(default_model_path(), "tokenizer.json"), tmp_path / "tokenizer.json")
+    shutil.copy(os.path.join(tokenizer_from or default_model_path(), "tokenizer.json"), tmp_path / "tokenizer.json")
     cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
     if where == "jinja":
         (tmp_path / "chat_template.jinja").write_text(src)
@@ -96,7 +96,7 @@ def test_chat_request_fields_reach_the_template(tmp_path, default_llm):
 
     from atlas_jax.engine.async_llm import AsyncLLM
     from atlas_jax.server.app import build_app
-    path = checkpoint(tmp_path, "qwen3.jinja", "jinja")
+    path = checkpoint(tmp_path, "qwen3.jinja", "jinja", tokenizer_from=default_llm.model_path)
     hf = AutoTokenizer.from_pretrained(path)
     engine = AsyncLLM.from_llm(default_llm)
     try:
@@ -129,7 +129,7 @@ def test_xml_template_tool_round_trip_over_http(tmp_path, default_llm):
 
     from atlas_jax.engine.async_llm import AsyncLLM
     from atlas_jax.server.app import build_app
-    path = checkpoint(tmp_path, "qwen3_xml.jinja", "jinja")
+    path = checkpoint(tmp_path, "qwen3_xml.jinja", "jinja", tokenizer_from=default_llm.model_path)
     hf = AutoTokenizer.from_pretrained(path)
     sent = [CHATS["tool_round_trip"][0], {"role": "assistant", "content": None, "tool_calls": [
         {**CALL, "function": {"name": "get_weather", "arguments": json.dumps(CALL_OBJ["function"]["arguments"])}}]},
