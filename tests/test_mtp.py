@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import hf_models
-from conftest import random_prompts
+from conftest import SPEC_ENGINE, random_prompts
 from prefix_scenarios import multiturn, on_and_off
 
 from atlas_jax import LLM, SamplingParams
@@ -29,7 +29,8 @@ ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, m
 
 @pytest.fixture(scope="module")
 def mtp_ckpt(ckpt_dir, tmp_path_factory):
-    src, hf = ckpt_dir("qwen3_next_mtp_base", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+    # the speculative tests' checkpoint (conftest.spec_pair), so their plain engine is this test's reference
+    src, hf = ckpt_dir("qwen3_next_spec", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
     path = tmp_path_factory.mktemp("qwen3_next_mtp")
     shutil.copytree(src, path, dirs_exist_ok=True)
     tensors = load_file(str(path / "model.safetensors"))
@@ -87,10 +88,12 @@ def test_mtp_head_matches_hf(mtp_ckpt):
 
 
 @pytest.fixture(scope="module")
-def mtp_engines(mtp_ckpt):
+def mtp_engines(mtp_ckpt, spec_pair):
+    """(plain engine on the same target weights, compiled once a session; MTP engine with caching on)."""
     path, _, _ = mtp_ckpt
-    return LLM(path, load_mtp=False, **ENGINE), LLM(path, speculative={"method": "mtp", "num_drafts": 2},
-                                                    enable_prefix_caching=True, **ENGINE)
+    base, _ = spec_pair("qwen3_next")
+    assert base.num_mtp_layers == 0 and ENGINE == SPEC_ENGINE
+    return base, LLM(path, speculative={"method": "mtp", "num_drafts": 2}, enable_prefix_caching=True, **ENGINE)
 
 
 def test_mtp_greedy_identity(mtp_engines):

@@ -16,14 +16,31 @@ GDN_DIMS = dict(dk=16, dv=32)       # shapes the compiled kernels take (powers o
 LENGTHS = [5, 20, 70]               # recurrent (T <= 16) chunks, one chunk, chunks carrying state
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3_next has attention too
-def test_pallas_tokens_equal_xla(ckpt_dir, family):
+def _checkpoint(ckpt_dir, family):
     maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
     # init 0.2 (not HF's 0.02, whose logits are nearly uniform) so that a wrong state carry changes tokens
     path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2, **(GDN_DIMS if family == "qwen3_next" else {}))
+    return path
+
+
+@pytest.fixture(scope="module")
+def xla_engines(ckpt_dir):
+    """family -> the XLA engine on its checkpoint (the reference; compiled once for the module)."""
+    made = {}
+
+    def get(family):
+        if family not in made:
+            made[family] = LLM(_checkpoint(ckpt_dir, family), kernels="xla", **ENGINE)
+        return made[family]
+    return get
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3_next has attention too
+def test_pallas_tokens_equal_xla(ckpt_dir, xla_engines, family):
+    path = _checkpoint(ckpt_dir, family)
     prompts = random_prompts(256, LENGTHS, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    xla = LLM(path, kernels="xla", **ENGINE)
+    xla = xla_engines(family)
     pallas = LLM(path, kernels="pallas", **ENGINE)
     assert pallas.kernels.name == "pallas-interpret"
     batched = [o.outputs[0].token_ids for o in pallas.generate(prompts, params)]
@@ -33,13 +50,13 @@ def test_pallas_tokens_equal_xla(ckpt_dir, family):
     assert alone == batched[:2]
 
 
-def test_pallas_speculative_verify_equals_xla(ckpt_dir):
+def test_pallas_speculative_verify_equals_xla(ckpt_dir, xla_engines):
     """The GDN kernels with R = 4 state positions: verify writes per-token states, the next step reads
     the accepted one (drafts: first right, the rest wrong)."""
-    path, _ = ckpt_dir("qwen3_next_pallas", hf_models.make_qwen3_next, vocab=256, init_std=0.2, **GDN_DIMS)
+    path = _checkpoint(ckpt_dir, "qwen3_next")
     prompts = random_prompts(256, LENGTHS[:2], seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    ref = [o.outputs[0].token_ids for o in LLM(path, kernels="xla", **ENGINE).generate(prompts, params)]
+    ref = [o.outputs[0].token_ids for o in xla_engines("qwen3_next").generate(prompts, params)]
     truth = {tuple(p): r for p, r in zip(prompts, ref)}
 
     def half_right(seq, k):

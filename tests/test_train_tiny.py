@@ -55,12 +55,14 @@ def test_training_loss_matches_the_engine_forward():
     windows = np.random.default_rng(0).integers(0, 300, (2, 34)).astype(np.int32)
     _, (main, mtp) = jax.jit(train_tiny.make_loss(cfg, 2, 32, 0.5))(params, windows)
     # the same tokens, one row at a time, through a differently paged state (page size 8)
+    @jax.jit
+    def row_logits(tokens):
+        seg = StepBatch(tokens=tokens[None], q_len=jnp.array([32]), start=jnp.array([0]),
+                        block_table=jnp.arange(4)[None], slot=jnp.array([0]), state_idx=jnp.array([0]))
+        return forward(params, init_state(cfg, 4, 8, 1, jnp.float32), (seg,), cfg, all_logits=True)[0][0][0]
     ce = []
     for row in windows:
-        seg = StepBatch(tokens=jnp.asarray(row[None, :32]), q_len=jnp.array([32]), start=jnp.array([0]),
-                        block_table=jnp.arange(4)[None], slot=jnp.array([0]), state_idx=jnp.array([0]))
-        (logits,), _, _ = forward(params, init_state(cfg, 4, 8, 1, jnp.float32), (seg,), cfg, all_logits=True)
-        logp = jax.nn.log_softmax(np.asarray(logits[0], np.float64), axis=-1)
+        logp = jax.nn.log_softmax(np.asarray(row_logits(jnp.asarray(row[:32])), np.float64), axis=-1)
         ce.append(-np.mean(np.take_along_axis(np.asarray(logp), row[1:33, None], axis=-1)))
     np.testing.assert_allclose(float(main), np.mean(ce), rtol=1e-5)
     assert np.isfinite(float(mtp))
