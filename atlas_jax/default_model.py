@@ -68,14 +68,15 @@ def default_model_path() -> str:
     return path
 
 
-def _train_tokenizer(vocab_size: int):
+def train_byte_bpe(texts: list[str], vocab_size: int, special_tokens: list[str]):
+    """A byte-level BPE `tokenizers.Tokenizer` trained on `texts` (special tokens first: ids 0, 1, ..)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator([_CORPUS], trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
 
@@ -111,7 +112,7 @@ def write_random_checkpoint(path: str, config: dict, seed: int = _SEED) -> None:
 
 
 def write_tiny_random_model(path: str) -> None:
-    tok = _train_tokenizer(512)
+    tok = train_byte_bpe([_CORPUS], 512, ["<|endoftext|>"])
     eos = tok.token_to_id("<|endoftext|>")
     config = {**TINY_RANDOM_CONFIG, "vocab_size": 512, "eos_token_id": eos, "bos_token_id": None, "pad_token_id": None}
     write_random_checkpoint(path, config)

@@ -96,14 +96,8 @@ def outside_texts() -> list[str]:
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
+    from atlas_jax.default_model import train_byte_bpe
+    return train_byte_bpe(texts, vocab_size, SPECIAL_TOKENS)
 
 
 def token_stream(tok, texts: list[str]) -> np.ndarray:
