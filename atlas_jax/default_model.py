@@ -83,8 +83,12 @@ def train_byte_bpe(texts: list[str], vocab_size: int, special_tokens: list[str])
 def _init_tensor(name: str, shape, rng) -> np.ndarray:
     if name.endswith("A_log"):
         return np.log(rng.uniform(1.0, 16.0, shape)).astype(np.float32)
-    if name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+    if name.endswith(("dt_bias", "linear_attn.norm.weight", "mixer.norm.weight", "mixer.D")):
         return np.ones(shape, np.float32)
+    if name.endswith("e_score_correction_bias"):
+        return np.zeros(shape, np.float32)
+    if "norm" in name and name.startswith("backbone."):  # Nemotron-H: plain RMSNorm, scale = w
+        return (1.0 + 0.05 * rng.standard_normal(shape)).astype(np.float32)
     if "norm" in name:                                   # zero-centred: scale = 1 + w
         return (0.05 * rng.standard_normal(shape)).astype(np.float32)
     std = 0.2 if "conv1d" in name else (0.5 if "embed" in name else 0.08)

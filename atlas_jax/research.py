@@ -45,7 +45,7 @@ class LabSequence:
 class Snapshot:
     num_cached: int
     tokens: tuple[int, ...]
-    ssm: tuple                      # per GDN layer: (h [Hv, Dk, Dv], conv [C, K]) numpy
+    ssm: tuple                      # per recurrent (GDN / Mamba2) layer: (h [H, Dk, Dv], conv [C, K]) numpy
 
 
 @jax.jit

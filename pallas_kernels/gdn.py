@@ -66,7 +66,7 @@ def _tdot(a, b):    # a.T @ b
 # ---------------------------------------------------------------------------------------------
 # Recurrent / verify: T (small) tokens per row, one at a time.
 
-def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_ref, h_out, *, block_v):
+def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_ref, h_out, *, block_v, delta_rule):
     b, head, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     slot, read_idx, q_len, fresh = meta_ref[b, 0], meta_ref[b, 1], meta_ref[b, 2], meta_ref[b, 3]
     num_slots, positions = h_in.shape[0], h_in.shape[1]
@@ -85,8 +85,9 @@ def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_re
         g = jnp.where(on, g_ref[0, t, 0], 0.0)
         beta = jnp.where(on, beta_ref[0, t, 0], 0.0)
         s = s * jnp.exp(g)
-        delta = (v - jnp.sum(k * s, axis=0, keepdims=True)) * beta       # [1, BV]
-        s = s + k * delta                                                # outer product k delta^T
+        if delta_rule:
+            v = v - jnp.sum(k * s, axis=0, keepdims=True)                # [1, BV]
+        s = s + k * (v * beta)                                           # outer product k (beta v)^T
         o = jnp.sum(q * s, axis=0, keepdims=True)
         o_ref[0, t, 0, :] = jnp.where(on, o, 0.0)[0].astype(o_ref.dtype)
 
@@ -98,11 +99,13 @@ def _recurrent_kernel(meta_ref, q_ref, k_ref, v_ref, g_ref, beta_ref, h_in, o_re
     jax.lax.fori_loop(0, t_max, token, s0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("h_pool",))
-def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "delta_rule"), donate_argnames=("h_pool",))
+def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, *, interpret: bool = False,
+                  delta_rule: bool = True):
     """q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv] (fp32); h_pool [S, R, Hv, Dk, Dv];
     slot, read_idx, q_len [B] int32; fresh [B] bool. Returns (o [B, T, Hv, Dv] fp32, h_pool).
-    T is padded to a power of two inside (padded tokens are beyond q_len)."""
+    T is padded to a power of two inside (padded tokens are beyond q_len). delta_rule=False: the
+    Mamba2 update S = S exp(g) + beta k v^T (layers/gdn.py)."""
     b, t, hk, dk = q.shape
     hv, dv = v.shape[2], v.shape[3]
     if not interpret and not supported(dk, dv):
@@ -113,7 +116,7 @@ def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, *, int
     pad = lambda x: jnp.pad(x.astype(jnp.float32), [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2))
     meta = jnp.stack([slot, read_idx, q_len, fresh.astype(jnp.int32)], axis=1)
     o, h_pool = pl.pallas_call(
-        functools.partial(_recurrent_kernel, block_v=bv),
+        functools.partial(_recurrent_kernel, block_v=bv, delta_rule=delta_rule),
         grid=(b, hv, dv // bv),
         in_specs=[whole(meta.shape),
                   pl.BlockSpec((1, tp, 1, dk), lambda i, h, j: (i, 0, h // r, 0)),
@@ -178,7 +181,7 @@ def _wy_kernel(k_ref, v_ref, g_ref, beta_ref, u_ref, w_ref):
     w_ref[:, 0, :] = _dot(inv, kb * jnp.exp(gc_col))
 
 
-def _chunked_kernel(meta_ref, q_ref, k_ref, g_ref, u_ref, w_ref, h_in, o_ref, h_out, *, block_v, ratio):
+def _chunked_kernel(meta_ref, q_ref, k_ref, g_ref, u_ref, w_ref, h_in, o_ref, h_out, *, block_v, ratio, delta_rule):
     b, head, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     offset, length = meta_ref[b, 0], meta_ref[b, 1]
     slot, read_idx, fresh = meta_ref[b, 2], meta_ref[b, 3], meta_ref[b, 4]
@@ -198,7 +201,9 @@ def _chunked_kernel(meta_ref, q_ref, k_ref, g_ref, u_ref, w_ref, h_in, o_ref, h_
         k = k_ref[rows, kh, :]
         gc_col, gc_row, g_last = _cumulative(g_ref[rows, head], row, col)
         decay = jnp.exp(jnp.where(row >= col, gc_col - gc_row, -jnp.inf))  # [C, C]
-        v_new = u_ref[rows, head, cols] - _dot(w_ref[rows, head, :], s)    # [C, BV]
+        v_new = u_ref[rows, head, cols]                                   # [C, BV]
+        if delta_rule:
+            v_new = v_new - _dot(w_ref[rows, head, :], s)
         o = _dot(q * jnp.exp(gc_col), s) + _dot(_dot_t(q, k) * decay, v_new)
         o_ref[rows, head, cols] = o.astype(o_ref.dtype)
         return s * jnp.exp(g_last) + _tdot(k * jnp.exp(g_last - gc_col), v_new)
@@ -210,12 +215,14 @@ def _chunked_kernel(meta_ref, q_ref, k_ref, g_ref, u_ref, w_ref, h_in, o_ref, h_
         h_out[slot, jnp.minimum(length - 1, positions - 1), head, :, cols] = s
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",), donate_argnames=("h_pool",))
-def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "delta_rule"), donate_argnames=("h_pool",))
+def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh, *, interpret: bool = False,
+                delta_rule: bool = True):
     """Chunk-aligned packed layout: q, k [N, Hk, Dk]; v [N, Hv, Dv]; g, beta [N, Hv], N a multiple
     of CHUNK; sequence b owns tokens offset[b] .. offset[b] + length[b] - 1, offset[b] a multiple of
     CHUNK, and the rows up to the next CHUNK boundary (their inputs are ignored, their outputs
-    unspecified). Only the final state is written (at min(length - 1, R - 1)). Returns (o [N, Hv, Dv] fp32, h_pool)."""
+    unspecified). Only the final state is written (at min(length - 1, R - 1)). Returns (o [N, Hv, Dv] fp32, h_pool).
+    delta_rule=False (Mamba2's SSD): no triangular solve, u = beta v and w = 0."""
     n, hk, dk = q.shape
     hv, dv = v.shape[1], v.shape[2]
     if n % CHUNK:
@@ -229,7 +236,30 @@ def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh,
     on = lambda x: jnp.where(inside.reshape((n,) + (1,) * (x.ndim - 1)), x.astype(jnp.float32), 0.0)
     q, v = q.astype(jnp.float32), v.astype(jnp.float32)
     k, g, beta = on(k), on(g), on(beta)
-    u, w = pl.pallas_call(
+    if delta_rule:
+        u, w = _wy(k, v, g, beta, interpret)
+    else:
+        u, w = v * beta[..., None], jnp.zeros((1,), jnp.float32)          # w unused
+    bv = block_v(nseq, hv, dv)
+    meta = jnp.stack([offset, length, slot, read_idx, fresh.astype(jnp.int32)], axis=1)
+    return pl.pallas_call(
+        functools.partial(_chunked_kernel, block_v=bv, ratio=ratio, delta_rule=delta_rule),
+        grid=(nseq, hv, dv // bv),
+        in_specs=[whole(meta.shape), whole(q.shape), whole(k.shape), whole(g.shape), whole(u.shape),
+                  whole(w.shape), whole(h_pool.shape)],
+        out_specs=[whole(v.shape), whole(h_pool.shape)],
+        out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
+        input_output_aliases={6: 1},
+        compiler_params=WIDE_PARAMS, interpret=interpret,
+    )(meta, q, k, g, u, w, h_pool)
+
+
+def _wy(k, v, g, beta, interpret):
+    """The WY kernel over every (chunk, value head): (u [N, Hv, Dv], w [N, Hv, Dk])."""
+    n, hk, dk = k.shape
+    hv, dv = v.shape[1], v.shape[2]
+    ratio = hv // hk
+    return pl.pallas_call(
         _wy_kernel,
         grid=(n // CHUNK, hv),
         in_specs=[pl.BlockSpec((CHUNK, 1, dk), lambda c, h: (c, h // ratio, 0)),
@@ -241,18 +271,6 @@ def gdn_chunked(q, k, v, g, beta, h_pool, offset, length, slot, read_idx, fresh,
         out_shape=[jax.ShapeDtypeStruct((n, hv, dv), jnp.float32), jax.ShapeDtypeStruct((n, hv, dk), jnp.float32)],
         compiler_params=WIDE_PARAMS, interpret=interpret,
     )(k, v, g, beta)
-    bv = block_v(nseq, hv, dv)
-    meta = jnp.stack([offset, length, slot, read_idx, fresh.astype(jnp.int32)], axis=1)
-    return pl.pallas_call(
-        functools.partial(_chunked_kernel, block_v=bv, ratio=ratio),
-        grid=(nseq, hv, dv // bv),
-        in_specs=[whole(meta.shape), whole(q.shape), whole(k.shape), whole(g.shape), whole(u.shape),
-                  whole(w.shape), whole(h_pool.shape)],
-        out_specs=[whole(v.shape), whole(h_pool.shape)],
-        out_shape=[jax.ShapeDtypeStruct(v.shape, jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype)],
-        input_output_aliases={6: 1},
-        compiler_params=WIDE_PARAMS, interpret=interpret,
-    )(meta, q, k, g, u, w, h_pool)
 
 
 def align_offsets(lengths, chunk: int = CHUNK):
@@ -262,7 +280,8 @@ def align_offsets(lengths, chunk: int = CHUNK):
     return jnp.cumsum(padded) - padded
 
 
-def gdn_chunked_prefill(q, k, v, g, beta, h_pool, cu_seqlens, slot, read_idx, fresh, *, interpret: bool = False):
+def gdn_chunked_prefill(q, k, v, g, beta, h_pool, cu_seqlens, slot, read_idx, fresh, *, interpret: bool = False,
+                        delta_rule: bool = True):
     """Varlen entry: sequences packed back to back on the token axis (q, k [N, Hk, Dk], v [N, Hv, Dv],
     g, beta [N, Hv]), sequence b = tokens cu_seqlens[b] .. cu_seqlens[b+1] - 1. Scatters them to
     the chunk-aligned layout, runs `gdn_chunked`, gathers back. Returns (o [N, Hv, Dv], h_pool)."""
@@ -275,14 +294,15 @@ def gdn_chunked_prefill(q, k, v, g, beta, h_pool, cu_seqlens, slot, read_idx, fr
     dest = aligned[seq_of] + jnp.arange(n) - cu_seqlens[seq_of]                   # [N]
     spread = lambda x: jnp.zeros((size,) + x.shape[1:], x.dtype).at[dest].set(x)
     o, h_pool = gdn_chunked(*(spread(x) for x in (q, k, v, g, beta)), h_pool, aligned, lengths, slot,
-                            read_idx, fresh, interpret=interpret)
+                            read_idx, fresh, interpret=interpret, delta_rule=delta_rule)
     return o[dest], h_pool
 
 
 # ---------------------------------------------------------------------------------------------
 # Pure-jnp reference for both: token-by-token, per row (independent of the WY algebra above).
 
-def reference(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, intermediates: bool = True):
+def reference(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, intermediates: bool = True,
+              delta_rule: bool = True):
     """Padded-dense rows as in `gdn_recurrent`; any T. Returns (o, h_pool). With intermediates
     False only the final state is written (the `gdn_chunked` contract)."""
     num_slots, positions = h_pool.shape[:2]
@@ -296,7 +316,8 @@ def reference(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, intermedia
     for t in range(q.shape[1]):
         on = (t < q_len)[:, None]
         s = s * jnp.exp(jnp.where(on, g[:, t], 0.0))[..., None, None]
-        delta = (v[:, t] - jnp.einsum("bhkv,bhk->bhv", s, k[:, t], precision=_HI)) * jnp.where(on, beta[:, t], 0.0)[..., None]
+        correction = jnp.einsum("bhkv,bhk->bhv", s, k[:, t], precision=_HI) if delta_rule else 0.0
+        delta = (v[:, t] - correction) * jnp.where(on, beta[:, t], 0.0)[..., None]
         s = s + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append(jnp.where(on[..., None], jnp.einsum("bhkv,bhk->bhv", s, q[:, t], precision=_HI), 0.0))
         write = live & (t < q_len) & (((t < positions - 1) & intermediates) | (t == q_len - 1))

@@ -2,7 +2,7 @@
 
     python scripts/bench.py CKPT [--batch 1,8,32] [--prompt 128] [--new 64] [--dtype auto] [--vs-hf]
     python scripts/bench.py ... --speculative ngram [--num-drafts 2]   # + speculative decoding side by side
-    python scripts/bench.py --make qwen3-next-12l [...]   # writes a random 12-layer, hidden-1024,
+    python scripts/bench.py --make qwen3-next-12l | nemotron-h-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
     python scripts/bench.py --code-prompts --speculative mtp   # the shipped atlas-tiny on real code
 With no checkpoint it measures the shipped default model. Prompts are random token ids, or with
@@ -36,6 +36,16 @@ QWEN3_NEXT_12L = {
     "num_experts_per_tok": 4, "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
     "num_nextn_predict_layers": 0, "eos_token_id": 0,
 }
+# Nemotron-H-shaped at the same width: 12 (mixer, MoE) block pairs, the mixers 9 Mamba2 + 3 attention
+NEMOTRON_H_12L = {
+    "model_type": "nemotron_h", "vocab_size": 32000, "hidden_size": 1024, "hybrid_override_pattern": "MEMEME*E" * 3,
+    "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 128, "mamba_num_heads": 32, "mamba_head_dim": 64,
+    "ssm_state_size": 128, "n_groups": 8, "conv_kernel": 4, "chunk_size": 128, "n_routed_experts": 16,
+    "num_experts_per_tok": 4, "moe_intermediate_size": 512, "moe_shared_expert_intermediate_size": 512,
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0, "layer_norm_epsilon": 1e-5, "eos_token_id": 0,
+    "max_position_embeddings": 4096,
+}
+MAKE = {"qwen3-next-12l": QWEN3_NEXT_12L, "nemotron-h-12l": NEMOTRON_H_12L}
 
 
 def memory_bandwidth_gbs() -> float:
@@ -72,7 +82,7 @@ def decode_bytes(llm) -> int:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("ckpt", nargs="?")
-    ap.add_argument("--make", choices=["qwen3-next-12l"])
+    ap.add_argument("--make", choices=sorted(MAKE))
     ap.add_argument("--batch", default="1,8")
     ap.add_argument("--prompt", type=int, default=128)
     ap.add_argument("--new", type=int, default=64)
@@ -92,7 +102,7 @@ def main():
         from atlas_jax.default_model import write_random_checkpoint
         ckpt = f"/tmp/atlas_jax_bench_{args.make}"
         if not os.path.exists(os.path.join(ckpt, "model.safetensors")):
-            write_random_checkpoint(ckpt, QWEN3_NEXT_12L)
+            write_random_checkpoint(ckpt, MAKE[args.make])
     batches = [int(b) for b in args.batch.split(",")]
     t0 = time.perf_counter()
     engine = dict(dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.prompt + args.new + 16,

@@ -76,7 +76,7 @@ def verify_cost(path, num_drafts, iters):
 def acceptance(path, num_drafts, new_tokens):
     llm = LLM(path, **ENGINE)
     methods = ["ngram"]
-    if any(t == "linear_attention" for t in llm.cfg.layer_types):
+    if llm.cfg.recurrent_layers:
         methods.append("self")
     if llm.num_mtp_layers:
         methods.append("mtp")

@@ -57,19 +57,20 @@ SPEC_ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=1
 
 @pytest.fixture(scope="session")
 def spec_pair(ckpt_dir):
-    """spec_pair(family) -> (base, spec) for "qwen3_next" / "qwen3": a tiny checkpoint (init 0.2, slow
-    GDN decay: a wrong state changes tokens) on a plain engine and on a speculative one (3 drafts;
-    self-speculative for Qwen3-Next, ngram for Qwen3) built with prefix caching, switched off until a
-    test turns it on. Tests swap its drafter (`engine.proposer`); each engine compiles once a session."""
+    """spec_pair(family) -> (base, spec) for "qwen3_next" / "nemotron_h" / "qwen3": a tiny checkpoint (init
+    0.2, slow GDN / Mamba2 decay: a wrong state changes tokens) on a plain engine and on a speculative one
+    (3 drafts; self-speculative for the hybrids, ngram for Qwen3) built with prefix caching, switched off
+    until a test turns it on. Tests swap its drafter (`engine.proposer`); each engine compiles once a session."""
     import hf_models
     from atlas_jax import LLM
     made = {}
 
     def get(family):
         if family not in made:
-            maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
+            maker = {"qwen3_next": hf_models.make_qwen3_next, "qwen3": hf_models.make_qwen3,
+                     "nemotron_h": hf_models.make_nemotron_h}[family]
             path, _ = ckpt_dir(f"{family}_spec", maker, vocab=256, init_std=0.2)
-            method = "self" if family == "qwen3_next" else "ngram"
+            method = "ngram" if family == "qwen3" else "self"
             spec = LLM(path, speculative={"method": method, "num_drafts": 3}, enable_prefix_caching=True,
                        **SPEC_ENGINE)
             spec.engine.set_prefix_caching(False)

@@ -50,6 +50,28 @@ def test_config_full_attention_interval():
     assert cfg.attention_layers == (2, 5) and cfg.gdn_layers == (0, 1, 3, 4)
 
 
+def test_config_qwen3_5_wrapper():
+    """A released Qwen3.5 config: the decoder's fields in text_config (model_type qwen3_5_text), the
+    wrapper's own tie_word_embeddings / eos winning, multimodal RoPE fields accepted (text = plain RoPE)."""
+    text = {"model_type": "qwen3_5_moe_text", "vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 4,
+            "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8, "linear_num_key_heads": 1,
+            "linear_num_value_heads": 2, "linear_key_head_dim": 4, "linear_value_head_dim": 4,
+            "linear_conv_kernel_dim": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 4,
+            "shared_expert_intermediate_size": 4, "tie_word_embeddings": True, "full_attention_interval": 2,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+                                "mrope_section": [1, 1, 0], "mrope_interleaved": True}}
+    cfg = ModelConfig.from_dict({"model_type": "qwen3_5_moe", "text_config": text, "tie_word_embeddings": False,
+                                 "eos_token_id": 3, "vision_config": {"depth": 1}})
+    assert (cfg.model_type, cfg.weight_prefix, cfg.vision, cfg.tie_word_embeddings) == (
+        "qwen3_5_moe_text", "model.language_model.", True, False)
+    assert cfg.attention_layers == (1, 3) and cfg.rotary_dim == 2 and cfg.zero_centred_norm and cfg.attn_output_gate
+    assert cfg.shared_expert_intermediate_size == 4 and cfg.eos_token_ids == (3,)
+    plain = ModelConfig.from_dict(text)
+    assert plain.weight_prefix == "model." and not plain.vision and plain.tie_word_embeddings
+    with pytest.raises(ConfigError, match="'text_config'"):
+        ModelConfig.from_dict({"model_type": "qwen3_5"})
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ConfigError, match="unsupported model_type 'llama'"):
         ModelConfig.from_dict({"model_type": "llama"})

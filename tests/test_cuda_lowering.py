@@ -7,6 +7,7 @@ nothing. The table: attention and GDN head shapes from the checkpoints' config.j
 batch buckets, every verify K 2..8, the engine's prefill chunk buckets, bf16 and fp32.
 (Triton's own compile — register and shared-memory limits — only a GPU shows: scripts/gpu_check.sh.)
 """
+import functools
 import itertools
 
 import jax
@@ -32,6 +33,14 @@ MODELS = {
     "Qwen3-Next-80B-A3B": ((16, 2, 256), (16, 32, 128, 128)),
     "Qwen3.5-27B": ((24, 4, 256), (16, 48, 128, 128)),       # group of 6, value/key head ratio 3
     "atlas-tiny": ((4, 2, 32), (2, 4, 32, 32)),              # the embedded default model
+    "Nemotron-H-8B": ((32, 8, 128), None),
+    "Nemotron-3-Nano-30B-A3B": ((32, 2, 128), None),
+}
+# Mamba2 through the same kernels without the delta rule: (groups, heads, state size, head_dim) as
+# (key heads, value heads, Dk, Dv)
+MAMBA_MODELS = {
+    "Nemotron-H-8B": (8, 128, 128, 64),
+    "Nemotron-3-Nano-30B-A3B": (8, 64, 128, 64),
 }
 DECODE_BATCHES = (1, 128)
 VERIFY_K = tuple(range(2, 9))
@@ -72,30 +81,34 @@ def test_paged_attention_options_lower():
                              SPEC((2,), I32)))
 
 
-GDN_MODELS = [name for name, (_, g) in MODELS.items() if g]
+# (name, (key heads, value heads, Dk, Dv), delta_rule): GDN models, then Mamba2 models
+RECURRENT_MODELS = ([(name, g, True) for name, (_, g) in MODELS.items() if g]
+                    + [(f"{name} (Mamba2)", m, False) for name, m in MAMBA_MODELS.items()])
 
 
 @pytest.mark.parametrize("v_dtype", [BF16, F32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name,b,t", [(name, b, t) for name in GDN_MODELS
-                                      for b, t in [(bb, 1) for bb in DECODE_BATCHES] + [(8, k) for k in VERIFY_K]])
-def test_gdn_recurrent_lowers(name, b, t, v_dtype):
-    hk, hv, dk, dv = MODELS[name][1]
+@pytest.mark.parametrize("name,shape,delta_rule,b,t", [
+    (name, shape, delta, b, t) for name, shape, delta in RECURRENT_MODELS
+    for b, t in [(bb, 1) for bb in DECODE_BATCHES] + [(8, k) for k in VERIFY_K]])
+def test_gdn_recurrent_lowers(name, shape, delta_rule, b, t, v_dtype):
+    hk, hv, dk, dv = shape
     positions = t                                                   # verify keeps the state after each token
     args = (SPEC((b, t, hk, dk), F32), SPEC((b, t, hk, dk), F32), SPEC((b, t, hv, dv), v_dtype),
             SPEC((b, t, hv), F32), SPEC((b, t, hv), F32), SPEC((256, positions, hv, dk, dv), F32),
             SPEC((b,), I32), SPEC((b,), I32), SPEC((b,), I32), SPEC((b,), jnp.bool_))
-    _assert_triton(lower(gdn.gdn_recurrent, *args))
+    _assert_triton(lower(functools.partial(gdn.gdn_recurrent, delta_rule=delta_rule), *args))
 
 
 @pytest.mark.parametrize("v_dtype", [BF16, F32], ids=["bf16", "fp32"])
-@pytest.mark.parametrize("name,rows,chunk", [(name, r, c) for name in GDN_MODELS for r, c in PREFILL if c > 16])
-def test_gdn_chunked_prefill_lowers(name, rows, chunk, v_dtype):
-    hk, hv, dk, dv = MODELS[name][1]
+@pytest.mark.parametrize("name,shape,delta_rule,rows,chunk", [
+    (name, shape, delta, r, c) for name, shape, delta in RECURRENT_MODELS for r, c in PREFILL if c > 16])
+def test_gdn_chunked_prefill_lowers(name, shape, delta_rule, rows, chunk, v_dtype):
+    hk, hv, dk, dv = shape
     n = rows * chunk
     args = (SPEC((n, hk, dk), F32), SPEC((n, hk, dk), F32), SPEC((n, hv, dv), v_dtype), SPEC((n, hv), F32),
             SPEC((n, hv), F32), SPEC((256, 1, hv, dk, dv), F32), SPEC((rows + 1,), I32), SPEC((rows,), I32),
             SPEC((rows,), I32), SPEC((rows,), jnp.bool_))
-    _assert_triton(lower(gdn.gdn_chunked_prefill, *args))
+    _assert_triton(lower(functools.partial(gdn.gdn_chunked_prefill, delta_rule=delta_rule), *args))
 
 
 # name: (hidden, expert intermediate, experts, top-k)

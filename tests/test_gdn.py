@@ -21,13 +21,15 @@ def _inputs(seed, b, t, h, dk, dv, with_state):
     return q, k, v, g, beta, s0
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(t=st.integers(1, 150), h=st.integers(1, 3), dk=st.sampled_from([4, 8, 12]), dv=st.sampled_from([4, 8, 20]),
-       with_state=st.booleans(), seed=st.integers(0, 1000))
-def test_chunked_equals_recurrent(t, h, dk, dv, with_state, seed):
+       with_state=st.booleans(), delta_rule=st.booleans(), chunk=st.sampled_from([16, 64]), seed=st.integers(0, 1000))
+def test_chunked_equals_recurrent(t, h, dk, dv, with_state, delta_rule, chunk, seed):
+    """The chunked form (WY with the delta rule; Mamba2's SSD without, at its config's chunk size)
+    equals the token scan."""
     args = _inputs(seed, 2, t, h, dk, dv, with_state)
-    o_r, s_r = jax.jit(gdn.recurrent)(*args)
-    o_c, s_c = jax.jit(gdn.chunked)(*args)
+    o_r, s_r = jax.jit(gdn.recurrent, static_argnames=("delta_rule",))(*args, delta_rule=delta_rule)
+    o_c, s_c = jax.jit(gdn.chunked, static_argnames=("chunk", "delta_rule"))(*args, chunk=chunk, delta_rule=delta_rule)
     np.testing.assert_allclose(o_c, o_r, atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(s_c, s_r, atol=2e-4, rtol=2e-4)
 

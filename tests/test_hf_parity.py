@@ -19,6 +19,19 @@ FAMILIES = [
     ("qwen3_next", hf_models.make_qwen3_next, dict()),
     ("qwen3_next_tied_hv_eq_hk", hf_models.make_qwen3_next, dict(tie=True, k_heads=2, v_heads=2, dk=20, dv=12,
                                                                   head_dim=40, heads=2, kv_heads=1, interval=2)),
+    # Qwen3.5: separate GDN projections, multimodal RoPE config; as released: the decoder inside a
+    # vision wrapper, sharded files, MoE experts fused in 3-D tensors
+    ("qwen3_5", hf_models.make_qwen3_5, dict()),
+    ("qwen3_5_vl_tied_sharded", hf_models.make_qwen3_5, dict(vision=True, tie=True, k_heads=2, v_heads=2, dk=20,
+                                                              dv=12, head_dim=40, heads=2, kv_heads=1, interval=2,
+                                                              shard_size="40KB")),
+    ("qwen3_5_moe_vl_fused", hf_models.make_qwen3_5, dict(moe=True, vision=True, fused_experts=True, kv_heads=1)),
+    # Nemotron-H: Mamba2 (n_groups 2 and 1), attention without RoPE, relu2 MLP, sigmoid group-limited MoE
+    # (correction bias, scaling, shared expert; latent projections and fused 3-D experts in the second)
+    ("nemotron_h", hf_models.make_nemotron_h, dict()),
+    ("nemotron_h_g1_latent_fused", hf_models.make_nemotron_h, dict(blocks="ME*-M", groups=1, kv_heads=1, latent=24,
+                                                                   fused_experts=True, tie=True, n_group=4,
+                                                                   topk_group=2)),
 ]
 
 
@@ -60,6 +73,39 @@ def test_greedy_generation_matches_hf(family_llm):
                               attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
         assert out.outputs[0].finish_reason == "length"
+
+
+def test_qwen3_5_vision_checkpoint_loads_its_language_model(ckpt_dir, caplog):
+    """A Qwen3_5ForConditionalGeneration checkpoint: config from text_config (tie from the wrapper),
+    decoder tensors under model.language_model., the vision tower skipped with a log line (and only
+    it: a stray tensor elsewhere is still an error)."""
+    import json
+    import os
+
+    from atlas_jax.config import ModelConfig
+    from atlas_jax.weights import load_model_params
+    from atlas_jax.weights.loader import CheckpointError
+    path, hf = ckpt_dir("qwen3_5_vl_tied_sharded", hf_models.make_qwen3_5, **FAMILIES[-2][2])
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    cfg = ModelConfig.from_pretrained(path)
+    assert (cfg.model_type, cfg.weight_prefix, cfg.vision, cfg.tie_word_embeddings) == (
+        "qwen3_5_text", "model.language_model.", True, True)
+    assert cfg.layer_types == tuple(hf.config.text_config.layer_types)
+    with caplog.at_level("INFO", logger="atlas_jax"):
+        params, _ = load_model_params(path, cfg, "float32")
+    assert any("vision-tower tensors are not loaded" in r.getMessage() for r in caplog.records)
+    assert "qkv" in params["layers"][0]["gdn"] and "lm_head" not in params
+    index = os.path.join(path, "model.safetensors.index.json")
+    with open(index) as f:
+        meta = json.load(f)
+    meta["weight_map"]["model.language_model.extra.weight"] = next(iter(meta["weight_map"].values()))
+    bad = os.path.join(os.path.dirname(path), "qwen3_5_stray")
+    import shutil
+    shutil.copytree(path, bad)
+    with open(os.path.join(bad, "model.safetensors.index.json"), "w") as f:
+        json.dump(meta, f)
+    with pytest.raises(CheckpointError, match="extra.weight"):
+        load_model_params(bad, cfg, "float32")
 
 
 def test_prompt_logprobs_match_hf(ckpt_dir):

@@ -1,9 +1,9 @@
-"""The Qwen3-Next MTP drafter: head parity against HF transformers' own modules, and greedy output
-identity with MTP speculation (single, batched, chunked prefill, under preemption).
+"""The MTP drafter (Qwen3-Next, Qwen3.5): head parity against HF transformers' own modules, and
+greedy output identity with MTP speculation (single, batched, chunked prefill, under preemption).
 
-The tiny checkpoint's MTP layer reuses the weights of the HF model's full-attention layer 3 (same
-tensor layout), so HF's `Qwen3NextDecoderLayer` instance *is* the reference layer; fc and the
-three norms are random."""
+The tiny checkpoints' MTP layer reuses the weights of the HF model's full-attention layer 3 (same
+tensor layout), so HF's decoder layer instance *is* the reference layer; fc and the three norms
+are random."""
 import shutil
 
 import jax
@@ -27,50 +27,72 @@ ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, m
               max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
 
 
+def _add_mtp_head(src, dst, hf, layer_prefix):
+    """Copy checkpoint src to dst with an MTP head: layer 3's tensors as mtp.layers.0, random fc and norms."""
+    shutil.copytree(src, dst, dirs_exist_ok=True)
+    tensors = load_file(str(dst / "model.safetensors"))
+    h = hf.config.get_text_config().hidden_size
+    g = torch.Generator().manual_seed(0)
+    for name, t in list(tensors.items()):
+        if name.startswith(layer_prefix):
+            tensors["mtp.layers.0." + name[len(layer_prefix):]] = t.clone()
+    tensors["mtp.fc.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
 @pytest.fixture(scope="module")
 def mtp_ckpt(ckpt_dir, tmp_path_factory):
     # the speculative tests' checkpoint (conftest.spec_pair), so their plain engine is this test's reference
     src, hf = ckpt_dir("qwen3_next_spec", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
     path = tmp_path_factory.mktemp("qwen3_next_mtp")
-    shutil.copytree(src, path, dirs_exist_ok=True)
-    tensors = load_file(str(path / "model.safetensors"))
-    h = hf.config.hidden_size
-    g = torch.Generator().manual_seed(0)
-    for name, t in list(tensors.items()):
-        if name.startswith("model.layers.3."):
-            tensors["mtp.layers.0." + name[len("model.layers.3."):]] = t.clone()
-    tensors["mtp.fc.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        tensors[f"mtp.{norm}.weight"] = 0.3 * torch.randn(h, generator=g)
-    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-    return str(path), hf, tensors
+    return str(path), hf, _add_mtp_head(src, path, hf, "model.layers.3.")
+
+
+@pytest.fixture(scope="module")
+def qwen3_5_mtp_ckpt(ckpt_dir, tmp_path_factory):
+    """A released-style Qwen3.5-MoE (vision wrapper, fused experts) with an MTP head (its experts fused too)."""
+    src, hf = ckpt_dir("qwen3_5_moe_spec", hf_models.make_qwen3_5, vocab=256, init_std=0.2, moe=True, vision=True,
+                       fused_experts=True)
+    path = tmp_path_factory.mktemp("qwen3_5_mtp")
+    return str(path), hf, _add_mtp_head(src, path, hf, "model.language_model.layers.3.")
 
 
 def _hf_mtp_logits(hf, tensors, ids, next_ids):
     """HF modules: fc([norm_e(embed(next)) | norm_h(final hidden)]) -> layer 3 -> norm -> lm_head."""
-    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm, Qwen3NextRotaryEmbedding
-    cfg = hf.config
+    if hf.config.model_type == "qwen3_next":
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm as Norm
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRotaryEmbedding as Rotary
+        decoder = hf.model
+    else:
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeRMSNorm as Norm
+        from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding as Rotary
+        decoder = hf.model.language_model
+    cfg = decoder.config
     norms = {}
     for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = Qwen3NextRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        norms[name] = Norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         norms[name].weight.data = tensors[f"mtp.{name}.weight"]
     with torch.no_grad():
-        hidden = hf.model(torch.tensor([ids])).last_hidden_state
-        emb = hf.model.embed_tokens(torch.tensor([next_ids]))
+        hidden = decoder(torch.tensor([ids])).last_hidden_state
+        emb = decoder.embed_tokens(torch.tensor([next_ids]))
         x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hidden)], -1)
         x = x @ tensors["mtp.fc.weight"].T
         pos = torch.arange(len(ids))[None]
         t = len(ids)
         mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
-        layer = hf.model.layers[3]
+        layer = decoder.layers[3]
         layer.self_attn.config._attn_implementation = "eager"
-        y = layer(x, position_embeddings=Qwen3NextRotaryEmbedding(cfg)(x, pos), attention_mask=mask, position_ids=pos)
+        y = layer(x, position_embeddings=Rotary(cfg)(x, pos), attention_mask=mask, position_ids=pos)
         y = y[0] if isinstance(y, tuple) else y
         return hf.lm_head(norms["norm"](y))[0].numpy(), hidden[0].numpy()
 
 
-def test_mtp_head_matches_hf(mtp_ckpt):
-    path, hf, tensors = mtp_ckpt
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+def test_mtp_head_matches_hf(family, request):
+    path, hf, tensors = request.getfixturevalue("mtp_ckpt" if family == "qwen3_next" else "qwen3_5_mtp_ckpt")
     cfg = ModelConfig.from_pretrained(path)
     params, n_mtp = load_model_params(path, cfg, jnp.float32)
     assert n_mtp == 1
@@ -85,6 +107,22 @@ def test_mtp_head_matches_hf(mtp_ckpt):
     out, _ = mtp.mtp_forward(params, kv, (seg,), jnp.asarray(next_ids), jnp.asarray(hidden), cfg)
     logits = np.asarray(out @ params["lm_head"])
     np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=2e-4)
+
+
+def test_qwen3_5_mtp_greedy_matches_hf(qwen3_5_mtp_ckpt):
+    """Qwen3.5-MoE with MTP speculation (2 drafts): ragged prompts, one of them prefilled in chunks,
+    give HF's greedy tokens; drafts were verified (and rolled back when rejected)."""
+    path, hf, _ = qwen3_5_mtp_ckpt
+    spec = LLM(path, speculative={"method": "mtp", "num_drafts": 2}, **ENGINE)
+    prompts = random_prompts(256, [5, 20, 70], seed=8)
+    outs = spec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    for prompt, out in zip(prompts, outs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+    stats = spec.spec_stats()
+    assert stats["drafted"] > 0 and stats["verify_steps"] > 0
 
 
 @pytest.fixture(scope="module")

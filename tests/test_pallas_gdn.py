@@ -1,8 +1,9 @@
 """The GDN Pallas kernels (interpret mode on CPU, or compiled with ATLAS_JAX_PALLAS_COMPILED=1 on
 a GPU) against the token-by-token reference, which is itself checked against the engine's XLA
-recurrence (tested against HF in test_hf_parity). Shapes: q_len 0 (padding) / 1 / K <= 8 /
-prefill lengths around chunk boundaries, GQA ratios 1 and 2, Dv split into column blocks, state
-positions R = 1 (plain) and R = T (verify intermediates), fresh and carried states."""
+recurrence (tested against HF in test_hf_parity) and, without the delta rule, against Mamba2's SSD
+written out directly. Shapes: q_len 0 (padding) / 1 / K <= 8 / prefill lengths around chunk
+boundaries, GQA ratios 1 and 2, Dv split into column blocks, state positions R = 1 (plain) and
+R = T (verify intermediates), fresh and carried states, with and without the delta rule."""
 import os
 
 import jax
@@ -47,17 +48,41 @@ def test_reference_matches_engine_recurrence():
     np.testing.assert_allclose(pool2[slot, 0], s_x, **TOL)
 
 
-@settings(max_examples=6, deadline=None)
+def test_reference_without_delta_rule_is_mamba2():
+    """delta_rule=False is Mamba2's selective state update (state [P, N] per head, HF's layout):
+    s = s exp(dt A) + dt x B^T; y = s C, with q = C, k = B (per group), v = x, g = dt A, beta = dt."""
+    rng = np.random.default_rng(1)
+    b, t, groups, heads, n, p = 2, 5, 2, 4, 8, 6
+    x = rng.standard_normal((b, t, heads, p))
+    bm, cm = rng.standard_normal((b, t, groups, n)), rng.standard_normal((b, t, groups, n))
+    dt, a = np.log1p(np.exp(rng.standard_normal((b, t, heads)))), -np.exp(rng.standard_normal(heads))
+    s = rng.standard_normal((b, heads, p, n))
+    pool = jnp.asarray(np.swapaxes(s, -1, -2)[:, None], jnp.float32)                # [slots, 1, H, N, P]
+    f32 = lambda z: jnp.asarray(z, jnp.float32)
+    o, pool_out = kernels.reference(f32(cm), f32(bm), f32(x), f32(dt * a), f32(dt), pool, jnp.arange(b),
+                                    jnp.zeros(b, jnp.int32), jnp.full(b, t), jnp.zeros(b, bool), delta_rule=False)
+    group = np.arange(heads) // (heads // groups)
+    ys = []
+    for i in range(t):
+        s = (s * np.exp(dt[:, i] * a)[..., None, None]
+             + (dt[:, i, :, None] * x[:, i])[..., None] * bm[:, i][:, group, None, :])
+        ys.append(np.einsum("bhpn,bhn->bhp", s, cm[:, i][:, group]))
+    np.testing.assert_allclose(o, np.stack(ys, 1), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(pool_out[:, 0], np.swapaxes(s, -1, -2), atol=1e-4, rtol=1e-4)
+
+
+@settings(max_examples=8, deadline=None)
 @given(t=st.sampled_from([1, 2, 5, 8]), ratio=st.sampled_from([1, 2]), dk=st.sampled_from([16, 32]),
-       dv=st.sampled_from([16, 128]), verify=st.booleans(), seed=st.integers(0, 10_000))
-def test_recurrent_kernel_matches_reference(t, ratio, dk, dv, verify, seed):
+       dv=st.sampled_from([16, 128]), verify=st.booleans(), delta_rule=st.booleans(), seed=st.integers(0, 10_000))
+def test_recurrent_kernel_matches_reference(t, ratio, dk, dv, verify, delta_rule, seed):
     rng = np.random.default_rng(seed)
     b, hk, num_slots = 4, 2, 6
     positions = t if verify else 1
     q, k, v, g, beta, pool = _inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
     rows = _rows(rng, b, t, num_slots, positions)
-    o_ref, pool_ref = kernels.reference(q, k, v, g, beta, pool, *rows)
-    o, pool_out = kernels.gdn_recurrent(q, k, v, g, beta, pool.copy(), *rows, interpret=INTERPRET)
+    o_ref, pool_ref = kernels.reference(q, k, v, g, beta, pool, *rows, delta_rule=delta_rule)
+    o, pool_out = kernels.gdn_recurrent(q, k, v, g, beta, pool.copy(), *rows, interpret=INTERPRET,
+                                        delta_rule=delta_rule)
     np.testing.assert_allclose(o, o_ref, **TOL)
     np.testing.assert_allclose(pool_out, pool_ref, **TOL)
     padding = np.asarray(rows[2]) == 0
@@ -90,10 +115,11 @@ def _packed(rng, lengths, hk, hv, dk, dv):
     return tuple(x[0] for x in (q, k, v, g, beta))
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=6, deadline=None)
 @given(lengths=st.lists(st.sampled_from([0, 1, 17, 63, 64, 65, 130]), min_size=1, max_size=4),
-       ratio=st.sampled_from([1, 2]), dv=st.sampled_from([16, 128]), seed=st.integers(0, 10_000))
-def test_chunked_prefill_matches_reference(lengths, ratio, dv, seed):
+       ratio=st.sampled_from([1, 2]), dv=st.sampled_from([16, 128]), delta_rule=st.booleans(),
+       seed=st.integers(0, 10_000))
+def test_chunked_prefill_matches_reference(lengths, ratio, dv, delta_rule, seed):
     rng = np.random.default_rng(seed)
     hk, dk, num_slots, positions = 1, 16, 6, 2
     hv = hk * ratio
@@ -105,13 +131,14 @@ def test_chunked_prefill_matches_reference(lengths, ratio, dv, seed):
     read_idx = jnp.asarray(rng.integers(0, positions, b), jnp.int32)
     fresh = jnp.asarray(rng.random(b) < 0.3)
     o, pool_out = kernels.gdn_chunked_prefill(q, k, v, g, beta, pool.copy(), cu, slot, read_idx, fresh,
-                                              interpret=INTERPRET)
+                                              interpret=INTERPRET, delta_rule=delta_rule)
     # reference: the same sequences as padded-dense rows
     t = max(max(lengths), 1)
     dense = lambda x: jnp.stack([jnp.pad(x[cu[i]:cu[i + 1]], [(0, t - lengths[i])] + [(0, 0)] * (x.ndim - 1))
                                  for i in range(b)])
     o_ref, pool_ref = kernels.reference(*(dense(x) for x in (q, k, v, g, beta)), pool, slot, read_idx,
-                                        jnp.asarray(lengths, jnp.int32), fresh, intermediates=False)
+                                        jnp.asarray(lengths, jnp.int32), fresh, intermediates=False,
+                                        delta_rule=delta_rule)
     for i in range(b):
         np.testing.assert_allclose(o[cu[i]:cu[i + 1]], o_ref[i, :lengths[i]], atol=1e-3, rtol=1e-3)
     np.testing.assert_allclose(pool_out, pool_ref, atol=1e-3, rtol=1e-3)

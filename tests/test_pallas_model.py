@@ -1,6 +1,6 @@
 """The whole model through the Pallas kernels (interpret mode on CPU) against the XLA layers:
-greedy tokens must be equal for a tiny Qwen3-Next (GDN recurrent + chunked kernels, attention)
-and a tiny Qwen3 (attention only), over prompts that take the decode, short-chunk and
+greedy tokens must be equal for a tiny Qwen3-Next (GDN recurrent + chunked kernels, attention),
+a tiny Nemotron-H (the same kernels without the delta rule for Mamba2) and a tiny Qwen3 (attention only), over prompts that take the decode, short-chunk and
 multi-chunk prefill paths, alone and batched (mixed decode + prefill steps). (Checked to fail
 when the chunked kernel drops the carried state.)"""
 import pytest
@@ -13,13 +13,16 @@ from atlas_jax import LLM, SamplingParams
 ENGINE = dict(dtype="float32", page_size=16, max_num_seqs=4, max_model_len=160, max_prefill_chunk=64,
               max_num_batched_tokens=128, warmup=False, compile_cache_dir="")
 GDN_DIMS = dict(dk=16, dv=32)       # shapes the compiled kernels take (powers of two >= 16), for GPU runs
+MAMBA_DIMS = dict(state=16, mamba_head_dim=32)
 LENGTHS = [5, 20, 70]               # recurrent (T <= 16) chunks, one chunk, chunks carrying state
 
 
 def _checkpoint(ckpt_dir, family):
-    maker = hf_models.make_qwen3_next if family == "qwen3_next" else hf_models.make_qwen3
+    maker = {"qwen3_next": hf_models.make_qwen3_next, "nemotron_h": hf_models.make_nemotron_h,
+             "qwen3": hf_models.make_qwen3}[family]
+    dims = {"qwen3_next": GDN_DIMS, "nemotron_h": MAMBA_DIMS}.get(family, {})
     # init 0.2 (not HF's 0.02, whose logits are nearly uniform) so that a wrong state carry changes tokens
-    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2, **(GDN_DIMS if family == "qwen3_next" else {}))
+    path, _ = ckpt_dir(f"{family}_pallas", maker, vocab=256, init_std=0.2, **dims)
     return path
 
 
@@ -35,7 +38,8 @@ def xla_engines(ckpt_dir):
     return get
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("qwen3", marks=pytest.mark.slow)])  # qwen3_next has attention too
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h",
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])  # the hybrids have attention too
 def test_pallas_tokens_equal_xla(ckpt_dir, xla_engines, family):
     path = _checkpoint(ckpt_dir, family)
     prompts = random_prompts(256, LENGTHS, seed=3)

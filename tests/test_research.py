@@ -15,9 +15,11 @@ ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=160, m
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
-@pytest.fixture(scope="module")
-def lab(ckpt_dir):
-    path, _ = ckpt_dir("qwen3_next_spec", hf_models.make_qwen3_next, vocab=256, init_std=0.2)
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h"])
+def lab(request, ckpt_dir):
+    """A StateLab over GDN state (Qwen3-Next) and Mamba2 state (Nemotron-H)."""
+    maker = hf_models.make_qwen3_next if request.param == "qwen3_next" else hf_models.make_nemotron_h
+    path, _ = ckpt_dir(f"{request.param}_spec", maker, vocab=256, init_std=0.2)
     return StateLab(LLM(path, speculative={"method": "ngram", "num_drafts": 3}, **ENGINE), ring_size=2)
 
 

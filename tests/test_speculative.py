@@ -43,7 +43,7 @@ class Script:
         return right[:n]
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3"])
+@pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h", "qwen3"])
 def engines(request, spec_pair):
     """(family, base, spec, script, prompts): the session's engine pair (conftest.spec_pair; tests set
     spec's drafter), a Script of the base's greedy outputs."""
@@ -162,7 +162,7 @@ def _cached_state(llm, seq):
 
 def test_rollback_state_equals_fresh_sequence(engines):
     """After verify steps with all / none / some drafts accepted, the KV of the cached tokens and the
-    GDN state equal those of a fresh sequence prefilled with exactly the accepted tokens."""
+    GDN / Mamba2 state equal those of a fresh sequence prefilled with exactly the accepted tokens."""
     family, base, spec, script, prompts = engines
     for mode in ("right", "wrong", "right_then_wrong"):
         script.mode = mode
@@ -241,9 +241,9 @@ def test_speculative_sampling_matches_target_distribution(ckpt_dir):
 
 
 def test_self_speculative_identity(engines, ckpt_dir):
-    """Drafts from the model without its GDN layers (one compiled draft step), verified by the full model."""
+    """Drafts from the model without its GDN / Mamba2 layers (one compiled draft step), verified by the full model."""
     family, base, spec, _, prompts = engines
-    if family != "qwen3_next":
+    if family == "qwen3":
         qwen3, _ = ckpt_dir("qwen3_spec", hf_models.make_qwen3, vocab=256, init_std=0.2)
         with pytest.raises(ValueError, match="no recurrent layers"):
             LLM(qwen3, speculative={"method": "self"}, **ENGINE)

@@ -116,7 +116,7 @@ class EngineCore:
             swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages))
         self.prefix_cache = PrefixCache(
             self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
-            recurrent=bool(cfg.gdn_layers)) if enable_prefix_caching else None
+            recurrent=bool(cfg.recurrent_layers)) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner),
                                    self.prefix_cache)
         self.requests: dict[str, Request] = {}
@@ -483,7 +483,7 @@ def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
     if spec.method == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
     if spec.method == "self":
-        if not any(t == "linear_attention" for t in engine.cfg.layer_types):
+        if not engine.cfg.recurrent_layers:
             raise ValueError("speculative method 'self' drafts with the attention layers only; this model has "
                              "no recurrent layers to skip")
         return SelfProposer(engine)

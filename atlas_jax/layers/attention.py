@@ -90,7 +90,7 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
 
 
 def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
-    """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, q_norm,
+    """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, optional q_norm,
     k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
     Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention
     (compiled Pallas only for shapes it takes, else XLA)."""
@@ -106,8 +106,11 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
         q = q.reshape(n, cfg.num_heads, hd)
     k = k.reshape(n, cfg.num_kv_heads, hd)
     v = v.reshape(n, cfg.num_kv_heads, hd)
-    q = apply_rope(rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), cos, sin)
-    k = apply_rope(rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm), cos, sin)
+    if "q_norm" in p:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    if cfg.rotary_dim:                                   # Nemotron-H's attention has no positional encoding
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages, v_pages = kv
     outs = []
     for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):

@@ -1,11 +1,16 @@
-"""Gated DeltaNet (Qwen3-Next linear attention), pure-XLA path.
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention), pure-XLA path, and the gated linear
+recurrence it shares with Mamba2 (layers/mamba2.py).
 
 Recurrence per value head, state S [Dk, Dv] fp32, per token t:
     S = S * exp(g_t);  delta = beta_t * (v_t - S^T k_t);  S = S + k_t delta^T;  o_t = S^T q_t
-with q, k l2-normalised and q scaled by Dk^-0.5. Decode-sized chunks run it token by token
-(`recurrent`); longer chunks use the chunked WY form (`chunked`, chunk 64). A token with
-g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert. With Pallas kernels
-(`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under the same state contract.
+with q, k l2-normalised and q scaled by Dk^-0.5. Without the delta rule (delta_rule=False) the
+update is S = S * exp(g_t) + beta_t k_t v_t^T: Mamba2's SSD with k = B, q = C, v = x, beta = dt,
+g = dt * A, key heads = B/C groups. Decode-sized chunks run it token by token (`recurrent`);
+longer chunks use the chunked form (`chunked`: WY with the delta rule, plain SSD without). A token
+with g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert. With Pallas
+kernels (`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under the same state contract.
+`mix` is the sequence-local part both mixers share: causal conv (+ conv state), the recurrence, and
+the state pools' write-back.
 """
 import jax
 import jax.numpy as jnp
@@ -20,16 +25,21 @@ CHUNK = 64
 RECURRENT_MAX_T = 16   # chunks up to this many tokens use the token-by-token form
 
 
-def recurrent(q, k, v, g, beta, s0, all_states: bool = False):
+def _token_step(s, q_t, k_t, v_t, g_t, b_t, delta_rule: bool = True):
+    """One token of the recurrence: s [B, H, Dk, Dv]; q_t, k_t [B, H, Dk]; v_t [B, H, Dv]; g_t, b_t [B, H]."""
+    s = s * jnp.exp(g_t)[..., None, None]
+    if delta_rule:
+        v_t = v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)
+    s = s + k_t[..., :, None] * (v_t * b_t[..., None])[..., None, :]
+    return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+
+def recurrent(q, k, v, g, beta, s0, all_states: bool = False, delta_rule: bool = True):
     """q, k [B, T, H, Dk]; v [B, T, H, Dv]; g, beta [B, T, H]; s0 [B, H, Dk, Dv] (all fp32,
     q already scaled). Returns (o [B, T, H, Dv], s_final), plus the state after every token
     [B, T, H, Dk, Dv] with all_states."""
     def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
-        delta = (v_t - jnp.einsum("bhkv,bhk->bhv", s, k_t)) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        o = jnp.einsum("bhkv,bhk->bhv", s, q_t)
+        s, o = _token_step(s, *xs, delta_rule=delta_rule)
         return s, ((o, s) if all_states else o)
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
     s, ys = jax.lax.scan(step, s0, xs)
@@ -68,8 +78,8 @@ def _unit_lower_inverse_bwd(t, dt):
 unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
-def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
-    """Chunked WY form; same contract as `recurrent`."""
+def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK, delta_rule: bool = True):
+    """Chunked form (WY with the delta rule, plain SSD without); same contract as `recurrent`."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     pad = (-t) % chunk
@@ -87,10 +97,13 @@ def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
     lower_incl = idx[:, None] >= idx[None, :]
     decay = jnp.exp(jnp.where(lower_incl, gc[..., :, None] - gc[..., None, :], -jnp.inf))  # [.., C, C]
     kb = k * beta[..., None]
-    a_mat = jnp.where(idx[:, None] > idx[None, :], jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
-    t_mat = unit_lower_inverse(a_mat)                                 # T = (I + A)^-1
-    u = jnp.einsum("...ij,...jd->...id", t_mat, v * beta[..., None])            # u = T beta v
-    w = jnp.einsum("...ij,...jd->...id", t_mat, kb * jnp.exp(gc)[..., None])    # w = T beta k exp(gc)
+    if delta_rule:
+        a_mat = jnp.where(idx[:, None] > idx[None, :], jnp.einsum("...id,...jd->...ij", kb, k) * decay, 0.0)
+        t_mat = unit_lower_inverse(a_mat)                                 # T = (I + A)^-1
+        u = jnp.einsum("...ij,...jd->...id", t_mat, v * beta[..., None])            # u = T beta v
+        w = jnp.einsum("...ij,...jd->...id", t_mat, kb * jnp.exp(gc)[..., None])    # w = T beta k exp(gc)
+    else:
+        u, w = v * beta[..., None], jnp.zeros_like(kb)
     intra = jnp.einsum("...id,...jd->...ij", q, k) * decay           # incl. diagonal
     q_dec = q * jnp.exp(gc)[..., None]
     g_last = gc[..., -1]                                              # [N, B, H]
@@ -108,8 +121,8 @@ def chunked(q, k, v, g, beta, s0, chunk: int = CHUNK):
     return o[:, :t], s
 
 
-def causal_conv(x, window, w, q_len, all_windows: bool = False):
-    """Depthwise causal conv1d + SiLU over a chunk.
+def causal_conv(x, window, w, q_len, all_windows: bool = False, bias=None):
+    """Depthwise causal conv1d (+ bias [C]) + SiLU over a chunk.
     x [B, T, C]; window [B, C, K] (the K inputs before column 0, oldest first); w [C, K];
     q_len [B]. Returns (y [B, T, C], new window [B, C, K] = the last K inputs up to column
     q_len - 1, i.e. unchanged for a row with q_len 0), or with all_windows the window after
@@ -118,6 +131,8 @@ def causal_conv(x, window, w, q_len, all_windows: bool = False):
     t = x.shape[1]
     ext = jnp.concatenate([jnp.swapaxes(window, 1, 2).astype(x.dtype), x], axis=1)   # [B, K+T, C]
     y = sum(ext[:, j + 1:j + 1 + t, :].astype(jnp.float32) * w[:, j].astype(jnp.float32) for j in range(kw))
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
     if all_windows:
         windows = jnp.stack([ext[:, i + 1:i + 1 + kw] for i in range(t)], axis=1)     # [B, T, K, C]
         return jax.nn.silu(y).astype(x.dtype), jnp.swapaxes(windows, 2, 3)
@@ -160,93 +175,109 @@ def _write_each(pool, batch, values):
     return pool.at[slot, idx].set(values.reshape(b * t, *values.shape[2:]).astype(pool.dtype), mode="drop")
 
 
-def pallas_core(q, k, v, g, beta, h_pool, batch, fresh, interpret: bool):
+def pallas_core(q, k, v, g, beta, h_pool, batch, fresh, interpret: bool, delta_rule: bool = True):
     """The recurrence through the Pallas kernels: q, k [B, T, Hk, Dk] (key heads, not repeated);
     h_pool [S, R, Hv, Dk, Dv]; fresh [B] rows starting from zero state. Returns (o [B, T, Hv, Dv], h_pool)."""
     b, t = q.shape[:2]
     if t <= RECURRENT_MAX_T:
         return pallas_gdn.gdn_recurrent(q, k, v, g, beta, h_pool, batch.slot, batch.state_idx, batch.q_len, fresh,
-                                        interpret=interpret)
+                                        interpret=interpret, delta_rule=delta_rule)
     tp = -(-t // pallas_gdn.CHUNK) * pallas_gdn.CHUNK          # rows start on chunk boundaries
     flat = lambda x: jnp.pad(x, [(0, 0), (0, tp - t)] + [(0, 0)] * (x.ndim - 2)).reshape(b * tp, *x.shape[2:])
     offset = jnp.arange(b, dtype=jnp.int32) * tp
     o, h_pool = pallas_gdn.gdn_chunked(*(flat(x) for x in (q, k, v, g, beta)), h_pool, offset, batch.q_len,
-                                       batch.slot, batch.state_idx, fresh, interpret=interpret)
+                                       batch.slot, batch.state_idx, fresh, interpret=interpret, delta_rule=delta_rule)
     return o.reshape(b, tp, *o.shape[1:])[:, :t], h_pool
 
 
-def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
-    """The sequence-local part of one segment: conv, recurrence, state write-back.
-    mixed [B, T, C] (q|k|v before the conv); a_gate, b_gate [B, T, Hv]. Returns (o [B, T, Hv, Dv] fp32, ssm)."""
+def mix(mixed, ssm, batch, conv_w, prepare, kernels: Kernels = XLA, conv_b=None, delta_rule: bool = True,
+        chunk: int = CHUNK):
+    """The sequence-local part of one segment: causal conv, recurrence, state write-back.
+    mixed [B, T, C] (the conv's input); conv_w [C, K] (+ conv_b [C]); prepare(y [B, T, C] the conv's
+    fp32 output) -> (q, k [B, T, Hk, Dk] (key heads, not repeated), v [B, T, Hv, Dv], g, beta [B, T, Hv]),
+    all fp32; columns past a row's q_len get g = beta = 0 here. Returns (o [B, T, Hv, Dv] fp32, v, ssm)."""
     b, t, _ = mixed.shape
-    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
-    dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     h_pool, conv_pool = ssm
     fresh = batch.start == 0                    # a sequence's first chunk starts from zero state
     decode = t == 1
     keep_all = h_pool.shape[1] > 1 and 1 < t <= RECURRENT_MAX_T    # verify-sized chunk: keep per-token states
     window = _read_slot(conv_pool, batch, fresh)
     if decode:
-        # One token. The pool writes are made to depend on the outputs computed from the old values
-        # (`_after`), so every read of a pool precedes its in-place update and XLA updates the donated
-        # pools in place (otherwise it copies each whole pool around the update).
         window = jnp.concatenate([window[..., 1:], jnp.swapaxes(mixed, 1, 2).astype(window.dtype)], -1)
-        w = p["conv"].astype(jnp.float32)        # taps summed one by one: an elementwise fusion, no reduce op
+        w = conv_w.astype(jnp.float32)           # taps summed one by one: an elementwise fusion, no reduce op
         y = sum(window[..., j].astype(jnp.float32) * w[:, j] for j in range(w.shape[-1]))
+        y = y if conv_b is None else y + conv_b.astype(jnp.float32)
         mixed = jax.nn.silu(y).astype(mixed.dtype)[:, None, :]
-    elif keep_all:
-        mixed, windows = causal_conv(mixed, window, p["conv"], batch.q_len, all_windows=True)
-        conv_pool = _write_each(conv_pool, batch, windows)
     else:
-        mixed, window = causal_conv(mixed, window, p["conv"], batch.q_len)
-        conv_pool = _write_final(conv_pool, batch, window)
-    q, k, v = jnp.split(mixed.astype(jnp.float32), [hk * dk, 2 * hk * dk], axis=-1)
-    q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
-    k = l2_normalize(k.reshape(b, t, hk, dk))
-    v = v.reshape(b, t, hv, dv)
-
+        mixed, window = causal_conv(mixed, window, conv_w, batch.q_len, all_windows=keep_all, bias=conv_b)
+    q, k, v, g, beta = prepare(mixed.astype(jnp.float32))
     valid = batch.valid[..., None]
-    beta = jnp.where(valid, jax.nn.sigmoid(b_gate.astype(jnp.float32)), 0.0)
-    g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    g = jnp.where(valid, g, 0.0)
+    g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
-    if kernels.pallas and (kernels.interpret or pallas_gdn.supported(dk, dv)):
-        o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret)
-        if decode:
-            conv_pool = _write_final(conv_pool, batch, _after(window, o))
-        return o, (h_pool, conv_pool)
-    q = jnp.repeat(q, r, axis=2)            # key head i serves value heads i*r..i*r+r-1
-    k = jnp.repeat(k, r, axis=2)
-    s0 = _read_slot(h_pool, batch, fresh)
-    if decode:
-        s = s0 * jnp.exp(g[:, 0])[..., None, None]
-        delta = (v[:, 0] - jnp.einsum("bhkv,bhk->bhv", s, k[:, 0])) * beta[:, 0, :, None]
-        s1 = s + k[:, 0, :, :, None] * delta[:, :, None, :]
-        o = jnp.einsum("bhkv,bhk->bhv", s1, q[:, 0])[:, None]
-        h_pool = _write_final(h_pool, batch, _after(s1, o))
-        conv_pool = _write_final(conv_pool, batch, _after(window, o))
-    elif keep_all:
-        o, _, states = recurrent(q, k, v, g, beta, s0, all_states=True)
-        h_pool = _write_each(h_pool, batch, states)
+    if kernels.pallas and (kernels.interpret or pallas_gdn.supported(q.shape[-1], v.shape[-1])):
+        o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret, delta_rule)
     else:
-        core = recurrent if t <= RECURRENT_MAX_T else chunked
-        o, s1 = core(q, k, v, g, beta, s0)
-        h_pool = _write_final(h_pool, batch, s1)
-    return o, (h_pool, conv_pool)
+        r = v.shape[2] // q.shape[2]
+        q = jnp.repeat(q, r, axis=2)            # key head i serves value heads i*r..i*r+r-1
+        k = jnp.repeat(k, r, axis=2)
+        s = _read_slot(h_pool, batch, fresh)
+        if decode:
+            s, o = _token_step(s, q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], delta_rule)
+            o = o[:, None]
+            h_pool = _write_final(h_pool, batch, _after(s, o))
+        elif keep_all:
+            o, _, states = recurrent(q, k, v, g, beta, s, all_states=True, delta_rule=delta_rule)
+            h_pool = _write_each(h_pool, batch, _after(states, o))
+        else:
+            if t <= RECURRENT_MAX_T:
+                o, s = recurrent(q, k, v, g, beta, s, delta_rule=delta_rule)
+            else:
+                o, s = chunked(q, k, v, g, beta, s, chunk=chunk, delta_rule=delta_rule)
+            h_pool = _write_final(h_pool, batch, _after(s, o))
+    # Pool writes depend on the outputs computed from the old values (`_after`), so every read of a
+    # pool precedes its in-place update and XLA updates the donated pools in place (otherwise it
+    # copies each whole pool around the update).
+    write = _write_each if keep_all else _write_final
+    return o, v, (h_pool, write(conv_pool, batch, _after(window, o)))
+
+
+def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
+    """GDN's mix: mixed [B, T, C] (q|k|v before the conv); a_gate, b_gate [B, T, Hv].
+    Returns (o [B, T, Hv, Dv] fp32, ssm)."""
+    b, t, _ = mixed.shape
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+
+    def prepare(y):
+        q, k, v = jnp.split(y, [hk * dk, 2 * hk * dk], axis=-1)
+        q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
+        k = l2_normalize(k.reshape(b, t, hk, dk))
+        beta = jax.nn.sigmoid(b_gate.astype(jnp.float32))
+        g = -jnp.exp(p["A_log"].astype(jnp.float32)) * jax.nn.softplus(a_gate.astype(jnp.float32)
+                                                                       + p["dt_bias"].astype(jnp.float32))
+        return q, k, v.reshape(b, t, hv, dv), g, beta
+    o, _, ssm = mix(mixed, ssm, batch, p["conv"], prepare, kernels)
+    return o, ssm
 
 
 def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
-    """p: qkvz [H, Hk*(2Dk+2rDv)], ba [H, Hk*2r], conv [C, K], A_log [Hv], dt_bias [Hv],
-    norm [Dv], out [Hv*Dv, H]. ssm = (h [S, R, Hv, Dk, Dv] fp32, conv [S, R, C, K]).
+    """p: the input projections — grouped per key head (Qwen3-Next): qkvz [H, Hk*(2Dk+2rDv)],
+    ba [H, Hk*2r]; or separate (Qwen3.5): qkv [H, 2HkDk+HvDv] (all q | all k | all v heads),
+    z [H, HvDv], b, a [H, Hv] — then conv [C, K], A_log [Hv], dt_bias [Hv], norm [Dv],
+    out [Hv*Dv, H]. ssm = (h [S, R, Hv, Dk, Dv] fp32, conv [S, R, C, K]).
     x [N, H] flat over the segments -> ([N, H], ssm)."""
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
-    qkvz = (x @ p["qkvz"]).reshape(n, hk, 2 * dk + 2 * r * dv)
-    q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-    ba = (x @ p["ba"]).reshape(n, hk, 2 * r)
-    b_gate, a_gate = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
-    mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+    if "qkvz" in p:
+        qkvz = (x @ p["qkvz"]).reshape(n, hk, 2 * dk + 2 * r * dv)
+        q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
+        ba = (x @ p["ba"]).reshape(n, hk, 2 * r)
+        b_gate, a_gate = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
+        mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+    else:
+        mixed, z = x @ p["qkv"], x @ p["z"]
+        b_gate, a_gate = x @ p["b"], x @ p["a"]
     outs = []
     for seg, m_s, a_s, b_s in zip(segments, *(split_segments(a, segments) for a in (mixed, a_gate, b_gate))):
         o, ssm = gdn_mix(m_s, a_s, b_s, ssm, seg, p, cfg, kernels)

@@ -1,5 +1,10 @@
-"""Sparse MoE FFN: softmax router -> top-k (optionally renormalised) -> SwiGLU experts,
-plus an optional shared expert behind a sigmoid gate (Qwen3-Next).
+"""Sparse MoE FFN: router -> top-k -> experts, plus an optional shared expert.
+
+Routers (`Routing`): softmax top-k, optionally renormalised (Qwen); or sigmoid scores with a
+correction bias for the choice, group-limited top-k, renormalised and scaled (Nemotron-H, as
+DeepSeek-V3). Experts are SwiGLU (gate, up, down) or relu2 (up, down), by the params present;
+Nemotron-H may run them in a latent width (latent_in / latent_out projections around them). The
+shared expert has a sigmoid gate when `shared_gate` is present (Qwen3-Next / Qwen3.5).
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
 sorted by expert and run by one of four dispatches, chosen in `dispatch_for` (the one place the
@@ -15,13 +20,32 @@ choice is made, at trace time from the platform and the shapes):
   * "ragged"  (XLA:GPU/TPU, N*k > E): `jax.lax.ragged_dot` over the sorted pairs (XLA:GPU expands
     it to dense matmuls over all experts, which is what tokens covering the experts cost anyway).
 """
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as pallas_gmm
 
 from ..kernels import XLA, Kernels
-from .mlp import swiglu
+from .mlp import mlp
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    kind: str = "softmax"      # softmax | sigmoid (group-limited, + p["router_bias"] for the choice)
+    n_group: int = 1
+    topk_group: int = 1
+    scaling: float = 1.0
+
+
+SOFTMAX = Routing()
+
+
+def _act(gate, up):
+    """The expert hidden activation: silu(gate) * up (SwiGLU), or relu(up)^2 when there is no gate."""
+    up = up.astype(jnp.float32)
+    return jnp.square(jax.nn.relu(up)) if gate is None else jax.nn.silu(gate.astype(jnp.float32)) * up
 
 
 def dispatch_for(backend: str, num_pairs: int = 1, num_experts: int = 1, kernels: Kernels = XLA,
@@ -42,14 +66,28 @@ def block_rows(num_pairs: int, num_experts: int) -> int:
     return min(64, 1 << (2 * num_pairs // num_experts - 1).bit_length())
 
 
-def route(router_w, x, top_k: int, renormalise: bool):
+def route(router_w, x, top_k: int, renormalise: bool, routing: Routing = SOFTMAX, bias=None):
     """x [N, H] -> (weights [N, k] fp32, expert ids [N, k] int32)."""
-    logits = (x @ router_w).astype(jnp.float32)                  # [N, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, ids = jax.lax.top_k(probs, top_k)
+    if routing.kind == "softmax":
+        logits = (x @ router_w).astype(jnp.float32)                  # [N, E]
+        weights, ids = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        if renormalise:
+            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        return weights, ids
+    scores = jax.nn.sigmoid(jnp.dot(x.astype(jnp.float32), router_w.astype(jnp.float32)))    # [N, E]
+    choice = scores + bias.astype(jnp.float32) if bias is not None else scores
+    n, e = choice.shape
+    if routing.n_group > 1:     # keep the topk_group groups whose two best experts score highest
+        grouped = choice.reshape(n, routing.n_group, e // routing.n_group)
+        group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)                      # [N, G]
+        _, keep = jax.lax.top_k(group_score, routing.topk_group)
+        kept = jnp.zeros((n, routing.n_group), bool).at[jnp.arange(n)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(kept, e // routing.n_group, axis=1), choice, -jnp.inf)
+    _, ids = jax.lax.top_k(choice, top_k)
+    weights = jnp.take_along_axis(scores, ids, axis=1)
     if renormalise:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, ids
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    return weights * routing.scaling, ids
 
 
 def _sort_pairs(ids, num_experts):
@@ -61,10 +99,11 @@ def _sort_pairs(ids, num_experts):
 
 def _experts_ragged(p, x, weights, ids):
     n, k = ids.shape
-    order, _, sizes = _sort_pairs(ids, p["gate"].shape[0])
+    order, _, sizes = _sort_pairs(ids, p["up"].shape[0])
     token_of = order // k
     xs = jnp.take(x, token_of, axis=0)                               # [N*k, H]
-    h = jax.nn.silu(jax.lax.ragged_dot(xs, p["gate"], sizes)) * jax.lax.ragged_dot(xs, p["up"], sizes)
+    gate = jax.lax.ragged_dot(xs, p["gate"], sizes) if "gate" in p else None
+    h = _act(gate, jax.lax.ragged_dot(xs, p["up"], sizes)).astype(x.dtype)
     y = jax.lax.ragged_dot(h, p["down"], sizes).astype(jnp.float32)  # [N*k, H]
     y = y * jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
@@ -74,7 +113,8 @@ def _experts_gather(p, x, weights, ids):
     n, k = ids.shape
     w = {name: jnp.take(a, ids.reshape(-1), axis=0) for name, a in p.items()}        # [N*k, ...]
     xs = jnp.repeat(x, k, axis=0)                                                    # [N*k, H]
-    h = jax.nn.silu(jnp.einsum("ph,phf->pf", xs, w["gate"])) * jnp.einsum("ph,phf->pf", xs, w["up"])
+    gate = jnp.einsum("ph,phf->pf", xs, w["gate"]) if "gate" in w else None
+    h = _act(gate, jnp.einsum("ph,phf->pf", xs, w["up"])).astype(x.dtype)
     y = jnp.einsum("pf,pfh->ph", h, w["down"]).astype(jnp.float32) * weights.reshape(-1, 1)
     return jnp.sum(y.reshape(n, k, -1), axis=1).astype(x.dtype)
 
@@ -107,18 +147,18 @@ def _combine(y, token, weight, n):
 
 def _experts_pallas(p, x, weights, ids, interpret: bool = False):
     n, k = ids.shape
-    e = p["gate"].shape[0]
+    e = p["up"].shape[0]
     tb = max(pallas_gmm.MIN_BLOCK_ROWS, min(64, block_rows(n * k, e)))
     token, weight, block_expert, used = block_layout(ids, weights, e, tb)
     xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
     gmm = lambda a, w: pallas_gmm.grouped_matmul(a, w, block_expert, used, block_rows=tb, interpret=interpret)
-    h = (jax.nn.silu(gmm(xs, p["gate"]).astype(jnp.float32)) * gmm(xs, p["up"]).astype(jnp.float32)).astype(x.dtype)
+    h = _act(gmm(xs, p["gate"]) if "gate" in p else None, gmm(xs, p["up"])).astype(x.dtype)
     return _combine(gmm(h, p["down"]), token, weight, n).astype(x.dtype)
 
 
 def _experts_blocked(p, x, weights, ids):
     n, k = ids.shape
-    e, h_dim = p["gate"].shape[:2]
+    e, h_dim = p["up"].shape[:2]
     tb = block_rows(n * k, e)
     token, weight, block_expert, block_used = block_layout(ids, weights, e, tb)
     nb = block_expert.shape[0]
@@ -128,26 +168,32 @@ def _experts_blocked(p, x, weights, ids):
         xb, eb, used = xs_b
         def run(xb):
             w = {name: jax.lax.dynamic_index_in_dim(a, eb, 0, keepdims=False) for name, a in p.items()}
-            return swiglu(w, xb)
+            return mlp(w, xb)
         return None, jax.lax.cond(used, run, jnp.zeros_like, xb)
     _, y = jax.lax.scan(block, None, (xs, block_expert, block_used))
     return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
 
 
-def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA):
-    """p: {router [H, E], experts: {gate [E, H, F], up [E, H, F], down [E, F, H]}, optional
-    shared: swiglu params, shared_gate [H, 1]}; x [..., H] -> [..., H]."""
+def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Routing = SOFTMAX):
+    """p: {router [H, E], [router_bias [E]], experts: {[gate [E, H', F]], up [E, H', F], down [E, F, H']},
+    optional latent_in [H, H'] / latent_out [H', H] (H' = H without them), optional shared: MLP params,
+    optional shared_gate [H, 1]}; x [..., H] -> [..., H]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, ids = route(p["router"], x2, top_k, renormalise)
-    e, h_dim, f_dim = p["experts"]["gate"].shape
+    weights, ids = route(p["router"], x2, top_k, renormalise, routing, p.get("router_bias"))
+    xe = x2 @ p["latent_in"] if "latent_in" in p else x2
+    e, h_dim, f_dim = p["experts"]["up"].shape
     dispatch = dispatch_for(jax.default_backend(), x2.shape[0] * top_k, e, kernels, (h_dim, f_dim))
     if dispatch == "pallas":
-        y = _experts_pallas(p["experts"], x2, weights, ids, kernels.interpret)
+        y = _experts_pallas(p["experts"], xe, weights, ids, kernels.interpret)
     else:
         experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]
-        y = experts(p["experts"], x2, weights, ids)
+        y = experts(p["experts"], xe, weights, ids)
+    if "latent_out" in p:
+        y = y @ p["latent_out"]
     if "shared" in p:
-        gate = jax.nn.sigmoid((x2 @ p["shared_gate"]).astype(jnp.float32))
-        y = y + (gate * swiglu(p["shared"], x2).astype(jnp.float32)).astype(x.dtype)
+        shared = mlp(p["shared"], x2).astype(jnp.float32)
+        if "shared_gate" in p:
+            shared = jax.nn.sigmoid((x2 @ p["shared_gate"]).astype(jnp.float32)) * shared
+        y = y + shared.astype(x.dtype)
     return y.reshape(shape)

@@ -22,3 +22,12 @@ def rms_norm_gated(x, gate, w, eps: float):
 def l2_normalize(x, eps: float = 1e-6):
     """x * rsqrt(sum(x^2) + eps) over the last axis (fla / HF l2norm)."""
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm_gated_grouped(x, gate, w, eps: float, groups: int):
+    """Mamba2 output norm (gate first): rmsnorm over each of `groups` equal slices of
+    x * silu(gate), times w; fp32 inside (HF NemotronHRMSNormGated). x, gate [..., C] -> [..., C] fp32."""
+    y = x.astype(jnp.float32) * jax.nn.silu(gate.astype(jnp.float32))
+    g = y.reshape(*y.shape[:-1], groups, y.shape[-1] // groups)
+    g = g * jax.lax.rsqrt(jnp.mean(g * g, axis=-1, keepdims=True) + eps)
+    return g.reshape(y.shape) * w.astype(jnp.float32)

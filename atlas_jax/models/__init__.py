@@ -1,8 +1,8 @@
 """Model families. Each family module exposes MODEL_TYPES and `param_specs(cfg, mtp_layers)`;
 the forward pass is shared (decoder.py) and driven by the config's layer pattern."""
-from . import qwen3, qwen3_next
+from . import nemotron_h, qwen3, qwen3_next
 
-_FAMILIES = {t: m for m in (qwen3, qwen3_next) for t in m.MODEL_TYPES}
+_FAMILIES = {t: m for m in (qwen3, qwen3_next, nemotron_h) for t in m.MODEL_TYPES}
 
 
 def family(model_type: str):

@@ -3,8 +3,9 @@
 `forward(params, state, segments, cfg)` is pure: it returns new state instead of mutating it.
 Hidden states live on one flat token axis [N, H] over all segments (batch.py), so every
 matmul, norm and FFN is one op per layer whatever mix of decode rows and prefill chunks.
-Layer i's mixer is attention or GDN by `cfg.layer_types[i]`; its FFN is MoE or dense by
-`cfg.moe_layers[i]`. The i-th attention layer owns state.kv[i], the i-th GDN layer state.ssm[i].
+Layer i's mixer is attention, GDN, Mamba2 or none by `cfg.layer_types[i]`; its FFN is MoE, dense or
+none by `cfg.ffn_types[i]` (Nemotron-H's blocks have one of the two). The i-th attention layer owns
+state.kv[i], the i-th recurrent (GDN or Mamba2) layer state.ssm[i].
 """
 from __future__ import annotations
 
@@ -12,34 +13,48 @@ import jax
 import jax.numpy as jnp
 
 from ..batch import StepBatch, split_segments
-from ..config import FULL_ATTENTION, ModelConfig
+from ..config import FULL_ATTENTION, LINEAR_ATTENTION, MAMBA, MOE, NONE, RECURRENT, ModelConfig
 from ..kernels import XLA, Kernels
 from ..layers.attention import attention_layer
 from ..layers.gdn import gdn_layer
-from ..layers.mlp import swiglu
-from ..layers.moe import moe
+from ..layers.mamba2 import mamba2_layer
+from ..layers.mlp import mlp
+from ..layers.moe import SOFTMAX, Routing, moe
 from ..layers.norms import rms_norm
 from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
 
 
+def routing(cfg: ModelConfig) -> Routing:
+    if cfg.moe_router == "softmax":
+        return SOFTMAX
+    return Routing(cfg.moe_router, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_routed_scaling)
+
+
 def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA,
                   skip_mixer: bool = False):
-    """One pre-norm residual block (skip_mixer: the FFN half only). Returns (x, layer_state)."""
+    """One layer: a pre-norm residual mixer block and / or FFN block (skip_mixer: the FFN half only).
+    Returns (x, layer_state)."""
+    mixer, ffn = cfg.layer_types[i], cfg.ffn_types[i]
     with jax.named_scope(f"layer_{i}"):
-        if not skip_mixer:
+        if mixer != NONE and not skip_mixer:
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-            if cfg.layer_types[i] == FULL_ATTENTION:
+            if mixer == FULL_ATTENTION:
                 h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels)
-            else:
+            elif mixer == LINEAR_ATTENTION:
                 h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels)
+            else:
+                assert mixer == MAMBA, mixer
+                h, layer_state = mamba2_layer(p["mamba"], h, layer_state, segments, cfg, kernels)
             x = x + h
-        h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        if cfg.moe_layers[i]:
-            h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels)
-        else:
-            h = swiglu(p["mlp"], h)
-        return x + h, layer_state
+        if ffn != NONE:
+            h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+            if ffn == MOE:
+                h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels, routing(cfg))
+            else:
+                h = mlp(p["mlp"], h)
+            x = x + h
+        return x, layer_state
 
 
 def lm_head(params, x):
@@ -60,14 +75,16 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     kv, ssm = list(state.kv), list(state.ssm)
-    n_attn = n_gdn = 0
+    n_attn = n_rec = 0
     for i, p in enumerate(params["layers"]):
         if cfg.layer_types[i] == FULL_ATTENTION:
             x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i, kernels)
             n_attn += 1
+        elif cfg.layer_types[i] in RECURRENT:
+            x, ssm[n_rec] = decoder_layer(p, x, ssm[n_rec], segments, cos, sin, cfg, i, kernels, skip_recurrent)
+            n_rec += 1
         else:
-            x, ssm[n_gdn] = decoder_layer(p, x, ssm[n_gdn], segments, cos, sin, cfg, i, kernels, skip_recurrent)
-            n_gdn += 1
+            x, _ = decoder_layer(p, x, None, segments, cos, sin, cfg, i, kernels)
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
     if all_logits or all_hidden:
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)

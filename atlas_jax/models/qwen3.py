@@ -6,13 +6,13 @@ from .layout import attention_specs, embedding_specs, ffn_specs, vector
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
 
-def param_specs(cfg: ModelConfig, mtp_layers: int = 0):
+def param_specs(cfg: ModelConfig, mtp_layers: int = 0, fused_experts: bool = False):
     del mtp_layers  # Qwen3 checkpoints carry no MTP head
     specs = embedding_specs(cfg)
     for i in range(cfg.num_layers):
-        prefix, path = f"model.layers.{i}", ("layers", i)
+        prefix, path = f"{cfg.weight_prefix}layers.{i}", ("layers", i)
         specs += [vector((*path, "input_norm"), f"{prefix}.input_layernorm.weight", cfg.hidden_size),
                   vector((*path, "post_norm"), f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)]
         specs += attention_specs(cfg, (*path, "attn"), f"{prefix}.self_attn")
-        specs += ffn_specs(cfg, i, path, prefix)
+        specs += ffn_specs(cfg, i, path, prefix, fused_experts)
     return specs

@@ -4,7 +4,8 @@ Built once with fixed capacity and donated to every step, so updates are in plac
   kv[i]  = (k, v), each [num_pages, page_size, num_kv_heads, head_dim] in the model dtype,
            for the i-th full-attention layer.
   ssm[i] = (h [num_slots, R, Hv, Dk, Dv] fp32, conv [num_slots, R, conv_dim, K] model dtype: the last K
-           mixer inputs), for the i-th Gated DeltaNet layer. R state positions per slot: 1 without
+           mixer inputs), for the i-th recurrent layer (GDN; or Mamba2 with Hv = heads, Dk = state size,
+           Dv = head_dim: cfg.recurrent_shapes). R state positions per slot: 1 without
            speculative decoding; K under K-token verify, which leaves the state after each verified token
            (rollback = read another position; layers/gdn.py states the contract).
 Which page / slot a sequence owns is host metadata (state/allocator.py, batch.StepBatch).
@@ -15,6 +16,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from ..config import ModelConfig
 
@@ -23,18 +25,16 @@ from ..config import ModelConfig
 @dataclasses.dataclass(frozen=True)
 class ModelState:
     kv: tuple     # per attention layer: (k_pages, v_pages)
-    ssm: tuple    # per GDN layer: (h, conv)
+    ssm: tuple    # per recurrent (GDN / Mamba2) layer: (h, conv)
 
 
 def state_shapes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
                  state_positions: int = 1) -> ModelState:
     kv_page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
-    r = state_positions
-    h = jax.ShapeDtypeStruct((num_slots, r, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
-                              cfg.linear_value_head_dim), jnp.float32)
-    conv = jax.ShapeDtypeStruct((num_slots, r, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim), dtype)
-    return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers),
-                      ssm=tuple((h, conv) for _ in cfg.gdn_layers))
+    lead = (num_slots, state_positions)
+    ssm = tuple((jax.ShapeDtypeStruct(lead + h, jnp.float32), jax.ShapeDtypeStruct(lead + conv, dtype))
+                for h, conv in map(cfg.recurrent_shapes, cfg.recurrent_layers))
+    return ModelState(kv=tuple((kv_page, kv_page) for _ in cfg.attention_layers), ssm=ssm)
 
 
 def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,
@@ -44,21 +44,18 @@ def init_state(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int,
 
 
 def init_snapshots(cfg: ModelConfig, num_snapshots: int, dtype) -> tuple:
-    """The prefix cache's snapshot pool: per GDN layer (h [N, Hv, Dk, Dv] fp32, conv [N, C, K])."""
+    """The prefix cache's snapshot pool: per recurrent layer (h [N, ...] fp32, conv [N, C, K])."""
     if not num_snapshots:
         return ()
-    h = (num_snapshots, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    conv = (num_snapshots, cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim)
-    return tuple((jnp.zeros(h, jnp.float32), jnp.zeros(conv, dtype)) for _ in cfg.gdn_layers)   # distinct buffers
+    return tuple((jnp.zeros((num_snapshots,) + h, jnp.float32), jnp.zeros((num_snapshots,) + conv, dtype))
+                 for h, conv in map(cfg.recurrent_shapes, cfg.recurrent_layers))          # distinct buffers
 
 
 def snapshot_bytes(cfg: ModelConfig, dtype) -> int:
-    """Bytes of one snapshot (every GDN layer's h and conv state); 0 for a model without GDN layers."""
-    if not cfg.gdn_layers:
-        return 0
-    per_layer = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-                 + cfg.gdn_conv_dim * cfg.linear_conv_kernel_dim * jnp.dtype(dtype).itemsize)
-    return per_layer * len(cfg.gdn_layers)
+    """Bytes of one snapshot (every recurrent layer's h and conv state); 0 for a model without any."""
+    size = lambda shape: int(np.prod(shape))
+    return sum(size(h) * 4 + size(conv) * jnp.dtype(dtype).itemsize
+               for h, conv in map(cfg.recurrent_shapes, cfg.recurrent_layers))
 
 
 def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int, dtype,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 
@@ -25,6 +26,10 @@ from ..models.layout import ParamSpec, as_lists, set_path
 
 # Buffers some exporters write that carry no weights.
 _IGNORED = re.compile(r".*rotary_emb\.inv_freq$")
+# A multimodal checkpoint's vision tower (the engine serves its language model).
+_VISION = re.compile(r"^(model\.)?(visual|vision_tower|vision_model|multi_modal_projector)\.")
+_FUSED_EXPERTS = re.compile(r".*\.experts\.(gate_up|up)_proj$")   # 3-D expert tensors, not one per expert
+log = logging.getLogger("atlas_jax")
 
 
 class CheckpointError(ValueError):
@@ -60,9 +65,14 @@ def load_params(path: str, cfg: ModelConfig, dtype=jnp.bfloat16, load_mtp: bool 
     files = _tensor_files(path)
     names = set(files)
     mtp_layers = count_mtp_layers(names) if load_mtp else 0
-    specs: list[ParamSpec] = family(cfg.model_type).param_specs(cfg, mtp_layers)
+    fused = any(_FUSED_EXPERTS.match(n) for n in names)
+    specs: list[ParamSpec] = family(cfg.model_type).param_specs(cfg, mtp_layers, fused_experts=fused)
     if not load_mtp:
         names = {n for n in names if not n.startswith("mtp.")}
+    vision = {n for n in names if _VISION.match(n)}
+    if vision:
+        log.info("%s: loading the language model; %d vision-tower tensors are not loaded", path, len(vision))
+        names -= vision
     params: dict = {}
     np_dtype = np.dtype(jnp.dtype(dtype))
     with contextlib.ExitStack() as stack:

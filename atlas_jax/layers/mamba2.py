@@ -1,0 +1,48 @@
+"""Mamba2 mixer (Nemotron-H), pure XLA + the shared recurrence (layers/gdn.py `mix`).
+
+in_proj -> [gate z (I) | x B C (conv_dim) | dt (Hm)]; causal conv1d (+ bias) + SiLU over x B C;
+per head h, state S [N, P] fp32 (N = state size, P = head_dim; HF keeps the transpose):
+    dt = max(softplus(dt + dt_bias), dt_min);  S = S * exp(dt A) + dt * B x^T;  y = S^T C + D x
+with A = -exp(A_log) and B, C shared by the Hm / n_groups heads of a group. That is the gated linear
+recurrence without the delta rule (q = C, k = B, v = x, beta = dt, g = dt A), so it runs through
+`gdn.mix` — conv window and h pools, chunked SSD for prefill (chunk = the config's chunk_size),
+token steps for decode / verify with per-token states for rollback, the Pallas kernels on GPU.
+Then y * silu(z) is RMS-normalised per group (n_groups groups of I / n_groups) and projected out.
+"""
+import jax
+import jax.numpy as jnp
+
+from ..batch import join_segments, split_segments
+from ..kernels import XLA, Kernels
+from .gdn import mix
+from .norms import rms_norm_gated_grouped
+
+
+def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
+    """p: in_proj [H, I + C + Hm] (+ in_proj_bias), conv [C, K] (+ conv_bias [C]), dt_bias, A_log, D [Hm],
+    norm [I], out [I, H] (+ out_bias). ssm = (h [S, R, Hm, N, P] fp32, conv [S, R, C, K]).
+    x [N, H] flat over the segments -> ([N, H], ssm)."""
+    n = x.shape[0]
+    hm, hd, ns, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
+    width = hm * hd
+    proj = x @ p["in_proj"]
+    if "in_proj_bias" in p:
+        proj = proj + p["in_proj_bias"]
+    z, xbc, dt = jnp.split(proj, [width, width + cfg.mamba_conv_dim], axis=-1)
+    a = -jnp.exp(p["A_log"].astype(jnp.float32))
+    outs = []
+    for seg, xbc_s, dt_s in zip(segments, split_segments(xbc, segments), split_segments(dt, segments)):
+        b, t = seg.tokens.shape
+
+        def prepare(y, dt_s=dt_s, b=b, t=t):
+            xs, bm, cm = jnp.split(y, [width, width + ng * ns], axis=-1)
+            step = jax.nn.softplus(dt_s.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
+            step = jnp.maximum(step, cfg.mamba_dt_min)                                   # [B, T, Hm]
+            return (cm.reshape(b, t, ng, ns), bm.reshape(b, t, ng, ns), xs.reshape(b, t, hm, hd), step * a, step)
+        o, v, ssm = mix(xbc_s, ssm, seg, p["conv"], prepare, kernels, conv_b=p.get("conv_bias"), delta_rule=False,
+                        chunk=cfg.mamba_chunk_size)
+        outs.append(o + p["D"].astype(jnp.float32)[:, None] * v)
+    y = join_segments(outs).reshape(n, width)
+    y = rms_norm_gated_grouped(y, z, p["norm"], cfg.rms_norm_eps, ng).astype(x.dtype)
+    out = y @ p["out"]
+    return (out + p["out_bias"] if "out_bias" in p else out), ssm

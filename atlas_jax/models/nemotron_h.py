@@ -1,0 +1,75 @@
+"""Nemotron-H / Nemotron 3 (`nemotron_h`): a stack of single-purpose blocks under `backbone.`, each
+norm -> mixer -> residual, the mixer one of Mamba2, attention (GQA, no RoPE, no q/k norm), relu2
+MLP, or MoE (sigmoid router with correction bias and group-limited top-k, relu2 experts, a relu2
+shared expert, optional latent projections). An engine layer holds one block: a mixer block's norm
+is its `input_norm`, an FFN block's its `post_norm` (cfg.layer_types / cfg.ffn_types)."""
+from ..config import FULL_ATTENTION, MAMBA, MLP, MOE, ModelConfig
+from .layout import ParamSpec, attention_specs, linear, vector
+
+MODEL_TYPES = ("nemotron_h",)
+
+
+def mamba_specs(cfg: ModelConfig, path, prefix):
+    h, hm, c = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_conv_dim
+    width = hm * cfg.mamba_head_dim
+    specs = [linear((*path, "in_proj"), f"{prefix}.in_proj", h, width + c + hm),
+             ParamSpec((*path, "conv"), (f"{prefix}.conv1d.weight",), (c, 1, cfg.mamba_conv_kernel), "conv"),
+             vector((*path, "dt_bias"), f"{prefix}.dt_bias", hm),
+             vector((*path, "A_log"), f"{prefix}.A_log", hm),
+             vector((*path, "D"), f"{prefix}.D", hm),
+             vector((*path, "norm"), f"{prefix}.norm.weight", width),
+             linear((*path, "out"), f"{prefix}.out_proj", width, h)]
+    if cfg.mamba_conv_bias:
+        specs.append(vector((*path, "conv_bias"), f"{prefix}.conv1d.bias", c))
+    if cfg.mamba_proj_bias:
+        specs += [vector((*path, "in_proj_bias"), f"{prefix}.in_proj.bias", width + c + hm),
+                  vector((*path, "out_bias"), f"{prefix}.out_proj.bias", h)]
+    return specs
+
+
+def relu2_specs(path, prefix, hidden, inter):
+    return [linear((*path, "up"), f"{prefix}.up_proj", hidden, inter),
+            linear((*path, "down"), f"{prefix}.down_proj", inter, hidden)]
+
+
+def moe_specs(cfg: ModelConfig, path, prefix, fused_experts: bool):
+    h, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    d = cfg.moe_latent_size or h                                   # the experts' width
+    if fused_experts:        # transformers' own layout: experts.up_proj [E, F, D], experts.down_proj [E, D, F]
+        experts = [ParamSpec((*path, "experts", "up"), (f"{prefix}.experts.up_proj",), (e, f, d), "experts"),
+                   ParamSpec((*path, "experts", "down"), (f"{prefix}.experts.down_proj",), (e, d, f), "experts")]
+    else:
+        def per_expert(proj, n_in, n_out):
+            names = tuple(f"{prefix}.experts.{i}.{proj}_proj.weight" for i in range(e))
+            return ParamSpec((*path, "experts", proj), names, (n_out, n_in), "linear")
+        experts = [per_expert("up", d, f), per_expert("down", f, d)]
+    specs = [linear((*path, "router"), f"{prefix}.gate", h, e),
+             vector((*path, "router_bias"), f"{prefix}.gate.e_score_correction_bias", e), *experts]
+    if cfg.shared_expert_intermediate_size:
+        specs += relu2_specs((*path, "shared"), f"{prefix}.shared_experts", h, cfg.shared_expert_intermediate_size)
+    if cfg.moe_latent_size:
+        specs += [linear((*path, "latent_in"), f"{prefix}.fc1_latent_proj", h, d),
+                  linear((*path, "latent_out"), f"{prefix}.fc2_latent_proj", d, h)]
+    return specs
+
+
+def param_specs(cfg: ModelConfig, mtp_layers: int = 0, fused_experts: bool = False):
+    del mtp_layers                  # Nemotron-H's MTP layers are not loaded (yet)
+    pre, h = cfg.weight_prefix, cfg.hidden_size
+    specs = [ParamSpec(("embed",), (f"{pre}embeddings.weight",), (cfg.vocab_size, h)),
+             vector(("final_norm",), f"{pre}norm_f.weight", h)]
+    if not cfg.tie_word_embeddings:
+        specs.append(linear(("lm_head",), "lm_head", h, cfg.vocab_size))
+    for i, (mixer, ffn) in enumerate(zip(cfg.layer_types, cfg.ffn_types)):
+        path, prefix = ("layers", i), f"{pre}layers.{i}.mixer"
+        norm = "input_norm" if ffn not in (MLP, MOE) else "post_norm"
+        specs.append(vector((*path, norm), f"{pre}layers.{i}.norm.weight", h))
+        if mixer == MAMBA:
+            specs += mamba_specs(cfg, (*path, "mamba"), prefix)
+        elif mixer == FULL_ATTENTION:
+            specs += attention_specs(cfg, (*path, "attn"), prefix)
+        elif ffn == MLP:
+            specs += relu2_specs((*path, "mlp"), prefix, h, cfg.intermediate_size)
+        else:
+            specs += moe_specs(cfg, (*path, "moe"), prefix, fused_experts)
+    return specs
