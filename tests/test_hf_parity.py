@@ -31,7 +31,7 @@ FAMILIES = [
     ("nemotron_h", hf_models.make_nemotron_h, dict()),
     ("nemotron_h_g1_latent_fused", hf_models.make_nemotron_h, dict(blocks="ME*-M", groups=1, kv_heads=1, latent=24,
                                                                    fused_experts=True, tie=True, n_group=4,
-                                                                   topk_group=2)),
+                                                                   topk_group=1)),
 ]
 
 

@@ -109,3 +109,53 @@ def test_grouped_matmul_matches_reference(blocks, tb, k, n, e, bf16, seed):
     tol = 3e-2 if bf16 else 1e-4
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=tol)
     assert np.all(np.asarray(out, np.float32).reshape(blocks, tb, n)[np.asarray(used) == 0] == 0)
+
+
+def _sigmoid_grouped_reference(p, x, k, n_group, topk_group, scaling):
+    """Nemotron-H's MoE in float64 numpy: sigmoid scores, + correction bias for the choice only,
+    experts restricted to the topk_group groups with the best top-2 sums, weights renormalised and
+    scaled; relu2 experts in the latent width; a relu2 shared expert on the input."""
+    f64 = lambda a: np.asarray(a, np.float64)
+    x = f64(x)
+    scores = 1 / (1 + np.exp(-(x @ f64(p["router"]))))
+    choice = scores + f64(p["router_bias"])
+    n, e = choice.shape
+    relu2 = lambda a: np.maximum(a, 0) ** 2
+    xl = x @ f64(p["latent_in"])
+    y = np.zeros((n, xl.shape[1]))
+    for t in range(n):
+        groups = choice[t].reshape(n_group, -1)
+        group_score = np.sort(groups, axis=1)[:, -2:].sum(1)
+        keep = np.argsort(-group_score)[:topk_group]
+        masked = np.where(np.isin(np.arange(e) // (e // n_group), keep), choice[t], -np.inf)
+        top = np.argsort(-masked)[:k]
+        w = scores[t, top] / scores[t, top].sum() * scaling
+        for ex, we in zip(top, w):
+            y[t] += we * (relu2(xl[t] @ f64(p["experts"]["up"][ex])) @ f64(p["experts"]["down"][ex]))
+    s = {name: f64(a) for name, a in p["shared"].items()}
+    return y @ f64(p["latent_out"]) + relu2(x @ s["up"]) @ s["down"]
+
+
+@pytest.mark.parametrize("n,k,n_group,topk_group", [(1, 2, 4, 1), (7, 3, 4, 2), (33, 2, 1, 1)])
+def test_sigmoid_grouped_moe_matches_reference(n, k, n_group, topk_group):
+    """Every dispatch (blocked, gather, ragged; Pallas interpreted) on Nemotron-H's routing and relu2 experts."""
+    ks = jax.random.split(jax.random.PRNGKey(n), 8)
+    h, d, f, e = 16, 32, 16, 8                        # latent 32 x 16: a shape the grouped-matmul kernel takes
+    p = {"router": jax.random.normal(ks[0], (h, e)), "router_bias": 0.5 * jax.random.normal(ks[1], (e,)),
+         "latent_in": 0.3 * jax.random.normal(ks[2], (h, d)), "latent_out": 0.3 * jax.random.normal(ks[3], (d, h)),
+         "experts": {"up": 0.3 * jax.random.normal(ks[4], (e, d, f)), "down": 0.3 * jax.random.normal(ks[5], (e, f, d))},
+         "shared": {"up": 0.3 * jax.random.normal(ks[6], (h, 10)), "down": 0.3 * jax.random.normal(ks[7], (10, h))}}
+    x = jax.random.normal(jax.random.PRNGKey(50 + n), (n, h))
+    ref = _sigmoid_grouped_reference(p, x, k, n_group, topk_group, 2.5)
+    routing = moe_mod.Routing("sigmoid", n_group, topk_group, 2.5)
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, routing=routing))(p, x)
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    w, ids = moe_mod.route(p["router"], x, k, True, routing, p["router_bias"])
+    xl = x @ p["latent_in"]
+    for dispatch in (moe_mod._experts_gather, moe_mod._experts_ragged):
+        np.testing.assert_allclose(jax.jit(dispatch)(p["experts"], xl, w, ids),
+                                   jax.jit(moe_mod._experts_blocked)(p["experts"], xl, w, ids), atol=1e-5)
+    kernels = Kernels(pallas=True, interpret=INTERPRET)
+    assert moe_mod.dispatch_for("cpu", n * k, e, kernels, (d, f)) == "pallas"
+    pallas = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels, routing))
+    np.testing.assert_allclose(pallas(p, x), ref, atol=1e-4, rtol=1e-4)
