@@ -79,6 +79,7 @@ class ModelConfig:
     mamba_conv_bias: bool = False
     mamba_proj_bias: bool = False
     eos_token_ids: tuple[int, ...] = ()
+    mtp_ffn: str = "mlp"            # the MTP layer's FFN (MLP | MOE | NONE: a head the engine cannot run)
     weight_prefix: str = "model."   # the decoder's tensors: model.layers.* or model.language_model.layers.*
     vision: bool = False            # a multimodal checkpoint (its vision tower is not loaded)
 
@@ -258,6 +259,7 @@ def _parse(raw: dict) -> ModelConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings", 32768)),
         layer_types=layer_types,
         ffn_types=ffn_types,
+        mtp_ffn=MOE if any(moe_layers) else MLP,
         zero_centred_norm=next_family,
         attn_output_gate=next_family,
         eos_token_ids=tuple(dict.fromkeys(eos)),
@@ -327,6 +329,13 @@ def _parse_nemotron_h(raw: dict) -> ModelConfig:
                       moe_n_group=n_group, moe_topk_group=int(raw.get("topk_group") or 1),
                       moe_routed_scaling=float(raw.get("routed_scaling_factor", 1.0)),
                       moe_latent_size=int(raw.get("moe_latent_size") or 0))
+    # MTP head blocks: the engine runs [attention, mlp | moe] (one MTP layer)
+    mtp_blocks = raw.get("mtp_layers_block_type") or [NEMOTRON_PATTERN.get(c, c) for c in
+                                                       raw.get("mtp_hybrid_override_pattern", "*E")]
+    mtp_kinds = [NEMOTRON_BLOCKS.get(b) for b in mtp_blocks]
+    mtp_ffn = mtp_kinds[1][1] if len(mtp_kinds) == 2 and mtp_kinds[0] == (FULL_ATTENTION, NONE) and \
+        mtp_kinds[1] and mtp_kinds[1][0] == NONE else NONE
+    fields["mtp_ffn"] = mtp_ffn
     eos = _ids(raw.get("eos_token_id")) + _ids(raw.get("_generation_eos_token_id"))
     return ModelConfig(
         model_type="nemotron_h", vocab_size=int(need("vocab_size")), hidden_size=hidden, num_layers=len(blocks),

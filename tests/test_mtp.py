@@ -60,6 +60,54 @@ def qwen3_5_mtp_ckpt(ckpt_dir, tmp_path_factory):
     return str(path), hf, _add_mtp_head(src, path, hf, "model.language_model.layers.3.")
 
 
+@pytest.fixture(scope="module")
+def nemotron_mtp_ckpt(ckpt_dir, tmp_path_factory):
+    """Nemotron-H ("M-*E-M") with an MTP head in vLLM's NemotronH-MTP layout: mtp.layers.0 = fusion
+    (enorm, hnorm, eh_proj) + a copy of the attention block 2, mtp.layers.1 = a copy of the MoE block 3
+    + final_layernorm."""
+    import json
+    src, hf = ckpt_dir("nemotron_h_spec", hf_models.make_nemotron_h, vocab=256, init_std=0.2)
+    path = tmp_path_factory.mktemp("nemotron_h_mtp")
+    shutil.copytree(src, path, dirs_exist_ok=True)
+    tensors = load_file(str(path / "model.safetensors"))
+    h = hf.config.hidden_size
+    g = torch.Generator().manual_seed(0)
+    for name, t in list(tensors.items()):
+        for block, dst in (("backbone.layers.2.", "mtp.layers.0."), ("backbone.layers.3.", "mtp.layers.1.")):
+            if name.startswith(block):
+                tensors[dst + name[len(block):]] = t.clone()
+    tensors["mtp.layers.0.eh_proj.weight"] = 0.1 * torch.randn(h, 2 * h, generator=g)
+    for norm in ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.1.final_layernorm"):
+        tensors[f"{norm}.weight"] = 1 + 0.3 * torch.randn(h, generator=g)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with open(path / "config.json") as f:
+        config = json.load(f)
+    with open(path / "config.json", "w") as f:
+        json.dump({**config, "num_nextn_predict_layers": 1, "mtp_layers_block_type": ["attention", "moe"]}, f)
+    return str(path), hf, tensors
+
+
+def _hf_nemotron_mtp_logits(hf, tensors, ids, next_ids):
+    """HF modules: eh_proj([enorm(embed(next)) | hnorm(final hidden)]) -> block 2 -> block 3 -> norm -> lm_head."""
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
+    cfg = hf.config
+    norms = {}
+    for name in ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.1.final_layernorm"):
+        norms[name] = NemotronHRMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
+        norms[name].weight.data = tensors[f"{name}.weight"]
+    with torch.no_grad():
+        hidden = hf.model(torch.tensor([ids])).last_hidden_state
+        emb = hf.model.embeddings(torch.tensor([next_ids]))
+        x = torch.cat([norms["mtp.layers.0.enorm"](emb), norms["mtp.layers.0.hnorm"](hidden)], -1)
+        x = x @ tensors["mtp.layers.0.eh_proj.weight"].T
+        t = len(ids)
+        mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+        hf.model.layers[2].mixer.config._attn_implementation = "eager"
+        x = hf.model.layers[2](x, attention_mask=mask, position_ids=torch.arange(t)[None])
+        x = hf.model.layers[3](x)
+        return hf.lm_head(norms["mtp.layers.1.final_layernorm"](x))[0].numpy(), hidden[0].numpy()
+
+
 def _hf_mtp_logits(hf, tensors, ids, next_ids):
     """HF modules: fc([norm_e(embed(next)) | norm_h(final hidden)]) -> layer 3 -> norm -> lm_head."""
     if hf.config.model_type == "qwen3_next":
@@ -90,15 +138,17 @@ def _hf_mtp_logits(hf, tensors, ids, next_ids):
         return hf.lm_head(norms["norm"](y))[0].numpy(), hidden[0].numpy()
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "nemotron_h"])
 def test_mtp_head_matches_hf(family, request):
-    path, hf, tensors = request.getfixturevalue("mtp_ckpt" if family == "qwen3_next" else "qwen3_5_mtp_ckpt")
+    fixture = {"qwen3_next": "mtp_ckpt", "qwen3_5": "qwen3_5_mtp_ckpt", "nemotron_h": "nemotron_mtp_ckpt"}[family]
+    path, hf, tensors = request.getfixturevalue(fixture)
     cfg = ModelConfig.from_pretrained(path)
     params, n_mtp = load_model_params(path, cfg, jnp.float32)
-    assert n_mtp == 1
+    assert n_mtp >= 1 and len(params["mtp"]["layers"]) == 1
     ids = random_prompts(256, [13], seed=4)[0]
     next_ids = ids[1:] + [7]
-    ref, hidden = _hf_mtp_logits(hf, tensors, ids, next_ids)
+    reference = _hf_nemotron_mtp_logits if family == "nemotron_h" else _hf_mtp_logits
+    ref, hidden = reference(hf, tensors, ids, next_ids)
     page_size, t = 4, len(ids)
     pages = -(-t // page_size)
     kv = mtp.init_mtp_kv(cfg, 1, pages + 1, page_size, jnp.float32)
@@ -109,10 +159,11 @@ def test_mtp_head_matches_hf(family, request):
     np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=2e-4)
 
 
-def test_qwen3_5_mtp_greedy_matches_hf(qwen3_5_mtp_ckpt):
-    """Qwen3.5-MoE with MTP speculation (2 drafts): ragged prompts, one of them prefilled in chunks,
-    give HF's greedy tokens; drafts were verified (and rolled back when rejected)."""
-    path, hf, _ = qwen3_5_mtp_ckpt
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h"])
+def test_mtp_greedy_matches_hf(family, request):
+    """Qwen3.5-MoE / Nemotron-H with MTP speculation (2 drafts): ragged prompts, one of them prefilled in
+    chunks, give HF's greedy tokens; drafts were verified (and rolled back when rejected)."""
+    path, hf, _ = request.getfixturevalue("qwen3_5_mtp_ckpt" if family == "qwen3_5" else "nemotron_mtp_ckpt")
     spec = LLM(path, speculative={"method": "mtp", "num_drafts": 2}, **ENGINE)
     prompts = random_prompts(256, [5, 20, 70], seed=8)
     outs = spec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))

@@ -1,9 +1,11 @@
-"""The multi-token-prediction (MTP) head of Qwen3-Next as a drafter, and the draft loop.
+"""The multi-token-prediction (MTP) head (Qwen3-Next, Qwen3.5, Nemotron-H) as a drafter, and the draft loop.
 
 At position p the head combines the token at p + 1 with the target's final-normed hidden state
 at p:  x = fc([norm_e(embed(tok_{p+1})) | norm_h(h_p)]) -> one decoder layer (full attention
-over the head's own paged KV, same page ids as the target's) -> norm -> shared lm_head, which
-predicts tok_{p+2}. Drafting continues from the head's own output hidden state.
+over the head's own paged KV, same page ids as the target's, then the FFN) -> norm -> shared
+lm_head, which predicts tok_{p+2}. Drafting continues from the head's own output hidden state.
+(Nemotron-H's head is written as blocks — mtp.layers.0 = enorm / hnorm / eh_proj + attention,
+mtp.layers.1 = MoE + final_layernorm — which is the same computation: models/nemotron_h.py maps it.)
 
 KV invariant: the head's KV at every position below the sequence's num_cached comes from a
 catch-up over target hidden states (`propose`'s first pass), so a rejected draft's KV (written at positions
@@ -17,12 +19,16 @@ import dataclasses
 import jax.numpy as jnp
 
 from ..batch import StepBatch
-from ..config import ModelConfig
+from ..config import FULL_ATTENTION, ModelConfig
 from ..kernels import XLA, Kernels
 from ..layers.norms import rms_norm
 from ..layers.rope import rope_cos_sin
 from .decoder import decoder_layer, last_positions, lm_head
-from .qwen3_next import mtp_config
+
+
+def mtp_config(cfg: ModelConfig) -> ModelConfig:
+    """An MTP layer: one full-attention layer with the config's MTP FFN kind (cfg.mtp_ffn)."""
+    return dataclasses.replace(cfg, num_layers=1, layer_types=(FULL_ATTENTION,), ffn_types=(cfg.mtp_ffn,))
 
 
 def mtp_forward(params, kv, segments, tokens, hidden, cfg: ModelConfig, depth: int = 0, kernels: Kernels = XLA):

@@ -2,8 +2,9 @@
 norm -> mixer -> residual, the mixer one of Mamba2, attention (GQA, no RoPE, no q/k norm), relu2
 MLP, or MoE (sigmoid router with correction bias and group-limited top-k, relu2 experts, a relu2
 shared expert, optional latent projections). An engine layer holds one block: a mixer block's norm
-is its `input_norm`, an FFN block's its `post_norm` (cfg.layer_types / cfg.ffn_types)."""
-from ..config import FULL_ATTENTION, MAMBA, MLP, MOE, ModelConfig
+is its `input_norm`, an FFN block's its `post_norm` (cfg.layer_types / cfg.ffn_types). An MTP head
+(`mtp.layers.*`, vLLM's NemotronH-MTP layout) is loaded when present."""
+from ..config import FULL_ATTENTION, MAMBA, MLP, MOE, NONE, ModelConfig
 from .layout import ParamSpec, attention_specs, linear, vector
 
 MODEL_TYPES = ("nemotron_h",)
@@ -53,8 +54,27 @@ def moe_specs(cfg: ModelConfig, path, prefix, fused_experts: bool):
     return specs
 
 
+def mtp_specs(cfg: ModelConfig, blocks: int, fused_experts: bool):
+    """The MTP head's blocks [attention, FFN] -> one MTP layer (models/mtp.py): mtp.layers.0 holds the
+    fusion (enorm, hnorm, eh_proj) and the attention block, mtp.layers.1 the FFN block and the
+    head's final norm."""
+    if blocks != 2 or cfg.mtp_ffn == NONE:
+        raise ValueError(f"this checkpoint's MTP head has {blocks} blocks; the engine runs [attention, mlp | moe]")
+    h, path = cfg.hidden_size, ("mtp", "layers", 0)
+    specs = [linear(("mtp", "fc"), "mtp.layers.0.eh_proj", 2 * h, h),
+             vector(("mtp", "pre_fc_norm_embedding"), "mtp.layers.0.enorm.weight", h),
+             vector(("mtp", "pre_fc_norm_hidden"), "mtp.layers.0.hnorm.weight", h),
+             vector(("mtp", "norm"), "mtp.layers.1.final_layernorm.weight", h),
+             vector((*path, "input_norm"), "mtp.layers.0.norm.weight", h),
+             vector((*path, "post_norm"), "mtp.layers.1.norm.weight", h),
+             *attention_specs(cfg, (*path, "attn"), "mtp.layers.0.mixer")]
+    if cfg.mtp_ffn == MLP:
+        return specs + relu2_specs((*path, "mlp"), "mtp.layers.1.mixer", h, cfg.intermediate_size)
+    return specs + moe_specs(cfg, (*path, "moe"), "mtp.layers.1.mixer", fused_experts)
+
+
 def param_specs(cfg: ModelConfig, mtp_layers: int = 0, fused_experts: bool = False):
-    del mtp_layers                  # Nemotron-H's MTP layers are not loaded (yet)
+    """mtp_layers: the checkpoint's mtp.layers.* blocks (0: no head)."""
     pre, h = cfg.weight_prefix, cfg.hidden_size
     specs = [ParamSpec(("embed",), (f"{pre}embeddings.weight",), (cfg.vocab_size, h)),
              vector(("final_norm",), f"{pre}norm_f.weight", h)]
@@ -72,4 +92,4 @@ def param_specs(cfg: ModelConfig, mtp_layers: int = 0, fused_experts: bool = Fal
             specs += relu2_specs((*path, "mlp"), prefix, h, cfg.intermediate_size)
         else:
             specs += moe_specs(cfg, (*path, "moe"), prefix, fused_experts)
-    return specs
+    return specs + (mtp_specs(cfg, mtp_layers, fused_experts) if mtp_layers else [])

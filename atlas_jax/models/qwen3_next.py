@@ -46,19 +46,13 @@ def layer_specs(cfg: ModelConfig, i: int, path, prefix, fused_experts: bool = Fa
     return specs + ffn_specs(cfg, i, path, prefix, fused_experts)
 
 
-def mtp_config(cfg: ModelConfig) -> ModelConfig:
-    """The MTP layer is one full-attention layer with the main model's FFN kind (MoE when any is)."""
-    return dataclasses.replace(cfg, num_layers=1, layer_types=("full_attention",),
-                               ffn_types=("moe" if any(cfg.moe_layers) else "mlp",))
-
-
 def mtp_specs(cfg: ModelConfig, num_layers: int, fused_experts: bool = False):
     h = cfg.hidden_size
     specs = [linear(("mtp", "fc"), "mtp.fc", 2 * h, h),
              vector(("mtp", "pre_fc_norm_embedding"), "mtp.pre_fc_norm_embedding.weight", h),
              vector(("mtp", "pre_fc_norm_hidden"), "mtp.pre_fc_norm_hidden.weight", h),
              vector(("mtp", "norm"), "mtp.norm.weight", h)]
-    mcfg = mtp_config(cfg)
+    mcfg = dataclasses.replace(cfg, num_layers=1, layer_types=("full_attention",), ffn_types=(cfg.mtp_ffn,))
     for i in range(num_layers):
         specs += layer_specs(mcfg, 0, ("mtp", "layers", i), f"mtp.layers.{i}", fused_experts)
     return specs
