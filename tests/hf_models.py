@@ -4,6 +4,14 @@ from __future__ import annotations
 import torch
 
 
+def hf_greedy(hf, prompt, n: int) -> list[int]:
+    """HF's greedy continuation of `prompt` (n tokens, EOS ignored): the oracle for generation tests."""
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+    return out[0, len(prompt):].tolist()
+
+
 def _randomise_norms(model, seed: int):
     """HF initialises norm weights to constants; randomise them so a wrong norm convention fails."""
     g = torch.Generator().manual_seed(seed)

@@ -87,14 +87,21 @@ def nemotron_mtp_ckpt(ckpt_dir, tmp_path_factory):
     return str(path), hf, tensors
 
 
+def _norms(cls, names, tensors, hidden, eps):
+    """HF norm modules carrying the checkpoint's `{name}.weight` tensors."""
+    norms = {}
+    for name in names:
+        norms[name] = cls(hidden, eps=eps)
+        norms[name].weight.data = tensors[f"{name}.weight"]
+    return norms
+
+
 def _hf_nemotron_mtp_logits(hf, tensors, ids, next_ids):
     """HF modules: eh_proj([enorm(embed(next)) | hnorm(final hidden)]) -> block 2 -> block 3 -> norm -> lm_head."""
     from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNorm
     cfg = hf.config
-    norms = {}
-    for name in ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.1.final_layernorm"):
-        norms[name] = NemotronHRMSNorm(cfg.hidden_size, eps=cfg.layer_norm_epsilon)
-        norms[name].weight.data = tensors[f"{name}.weight"]
+    norms = _norms(NemotronHRMSNorm, ("mtp.layers.0.enorm", "mtp.layers.0.hnorm", "mtp.layers.1.final_layernorm"),
+                   tensors, cfg.hidden_size, cfg.layer_norm_epsilon)
     with torch.no_grad():
         hidden = hf.model(torch.tensor([ids])).last_hidden_state
         emb = hf.model.embeddings(torch.tensor([next_ids]))
@@ -119,14 +126,12 @@ def _hf_mtp_logits(hf, tensors, ids, next_ids):
         from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding as Rotary
         decoder = hf.model.language_model
     cfg = decoder.config
-    norms = {}
-    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        norms[name] = Norm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        norms[name].weight.data = tensors[f"mtp.{name}.weight"]
+    norms = _norms(Norm, ("mtp.pre_fc_norm_embedding", "mtp.pre_fc_norm_hidden", "mtp.norm"), tensors,
+                   cfg.hidden_size, cfg.rms_norm_eps)
     with torch.no_grad():
         hidden = decoder(torch.tensor([ids])).last_hidden_state
         emb = decoder.embed_tokens(torch.tensor([next_ids]))
-        x = torch.cat([norms["pre_fc_norm_embedding"](emb), norms["pre_fc_norm_hidden"](hidden)], -1)
+        x = torch.cat([norms["mtp.pre_fc_norm_embedding"](emb), norms["mtp.pre_fc_norm_hidden"](hidden)], -1)
         x = x @ tensors["mtp.fc.weight"].T
         pos = torch.arange(len(ids))[None]
         t = len(ids)
@@ -135,7 +140,7 @@ def _hf_mtp_logits(hf, tensors, ids, next_ids):
         layer.self_attn.config._attn_implementation = "eager"
         y = layer(x, position_embeddings=Rotary(cfg)(x, pos), attention_mask=mask, position_ids=pos)
         y = y[0] if isinstance(y, tuple) else y
-        return hf.lm_head(norms["norm"](y))[0].numpy(), hidden[0].numpy()
+        return hf.lm_head(norms["mtp.norm"](y))[0].numpy(), hidden[0].numpy()
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5", "nemotron_h"])
@@ -168,10 +173,7 @@ def test_mtp_greedy_matches_hf(family, request):
     prompts = random_prompts(256, [5, 20, 70], seed=8)
     outs = spec.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
     for prompt, out in zip(prompts, outs):
-        with torch.no_grad():
-            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-        assert out.outputs[0].token_ids == ref[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == hf_models.hf_greedy(hf, prompt, 12)
     stats = spec.spec_stats()
     assert stats["drafted"] > 0 and stats["verify_steps"] > 0
 
