@@ -112,3 +112,47 @@ def test_refusals_name_the_problem(ckpt_dir, tmp_path):
     os.remove(bad / "adapter_config.json")
     with pytest.raises(LoRAError, match="no adapter_config.json"):
         load_peft_adapter(str(bad), cfg, max_rank=32)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_forward_mixing_adapters_matches_peft(ckpt_dir, tmp_path, family):
+    """One forward over three rows — base, adapter A, adapter B — with the pool merged into the params:
+    each row's logits equal HF's base model / peft's model with that adapter (a GDN model's recurrent
+    layers adapted too)."""
+    from atlas_jax.batch import StepBatch
+    from atlas_jax.layers.lora import with_pool
+    from atlas_jax.models.decoder import forward
+    from atlas_jax.state.cache import init_state
+    maker = hf_models.make_qwen3 if family == "qwen3" else hf_models.make_qwen3_next
+    targets = (["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] if family == "qwen3"
+               else QWEN3_NEXT_TARGETS)
+    path, base = ckpt_dir(f"{family}_lora_base", maker)
+    cfg = ModelConfig.from_pretrained(path)
+    prompt = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 11))
+    refs = []
+    with torch.no_grad():
+        refs.append(base(torch.tensor([prompt])).logits[0].numpy())
+    adapters = []
+    for i, (r, alpha) in enumerate([(4, 8), (2, 16)]):
+        peft_model = _adapter(maker(str(tmp_path / f"base{i}")), str(tmp_path / f"adapter{i}"), targets, r, alpha,
+                              seed=10 + i)
+        with torch.no_grad():
+            refs.append(peft_model(torch.tensor([prompt])).logits[0].numpy())
+        adapters.append(load_peft_adapter(str(tmp_path / f"adapter{i}"), cfg, max_rank=4))
+    pool = {}
+    for p_path in adapters[0].weights:
+        a0, b0 = adapters[0].weights[p_path]
+        pool[p_path] = (jnp.asarray(np.stack([np.zeros_like(a0)] + [ad.weights[p_path][0] for ad in adapters])),
+                        jnp.asarray(np.stack([np.zeros_like(b0)] + [ad.weights[p_path][1] for ad in adapters])))
+    params, _ = load_model_params(path, cfg, "float32")
+    t, page = len(prompt), 4
+    pages = -(-t // page)
+    state = init_state(cfg, 3 * pages, page, 3, jnp.float32)
+    seg = StepBatch(tokens=jnp.asarray([prompt] * 3), q_len=jnp.full(3, t), start=jnp.zeros(3, jnp.int32),
+                    block_table=jnp.arange(3 * pages).reshape(3, pages), slot=jnp.arange(3),
+                    state_idx=jnp.zeros(3, jnp.int32))
+    logits, _, _ = forward(with_pool(params, pool), state, (seg,), cfg, all_logits=True,
+                           lora_slot=(jnp.arange(3, dtype=jnp.int32),))
+    for row, ref in enumerate(refs):
+        np.testing.assert_allclose(np.asarray(logits[0][row]), ref, atol=2e-5, rtol=1e-4)
+    assert np.abs(refs[1] - refs[0]).max() > 1e-3 and np.abs(refs[2] - refs[1]).max() > 1e-3

@@ -15,6 +15,7 @@ from pallas_kernels import paged_attention as pallas_attention
 
 from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
+from .lora import project
 from .norms import rms_norm
 from .rope import apply_rope
 
@@ -89,16 +90,14 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
     return jnp.moveaxis(o, 3, 1).reshape(b, t, h, d).astype(q.dtype), k_pages, v_pages
 
 
-def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
+def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, slot=None):
     """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, optional q_norm,
     k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
     Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention
     (compiled Pallas only for shapes it takes, else XLA)."""
     n = x.shape[0]
     hd = cfg.head_dim
-    q = x @ p["q"] + p["q_bias"] if "q_bias" in p else x @ p["q"]
-    k = x @ p["k"] + p["k_bias"] if "k_bias" in p else x @ p["k"]
-    v = x @ p["v"] + p["v_bias"] if "v_bias" in p else x @ p["v"]
+    q, k, v = (project(x, p, name, slot) for name in ("q", "k", "v"))
     if cfg.attn_output_gate:
         q, gate = jnp.split(q.reshape(n, cfg.num_heads, 2 * hd), 2, axis=-1)
         gate = gate.reshape(n, cfg.num_heads * hd)
@@ -125,5 +124,5 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA):
     o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    o = o @ p["o"] + p["o_bias"] if "o_bias" in p else o @ p["o"]
+    o = project(o, p, "o", slot)
     return o, (k_pages, v_pages)

@@ -19,6 +19,7 @@ from pallas_kernels import gdn as pallas_gdn
 
 from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
+from .lora import project
 from .norms import l2_normalize, rms_norm_gated
 
 CHUNK = 64
@@ -260,7 +261,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     return o, ssm
 
 
-def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
+def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     """p: the input projections — grouped per key head (Qwen3-Next): qkvz [H, Hk*(2Dk+2rDv)],
     ba [H, Hk*2r]; or separate (Qwen3.5): qkv [H, 2HkDk+HvDv] (all q | all k | all v heads),
     z [H, HvDv], b, a [H, Hv] — then conv [C, K], A_log [Hv], dt_bias [Hv], norm [Dv],
@@ -270,18 +271,17 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     if "qkvz" in p:
-        qkvz = (x @ p["qkvz"]).reshape(n, hk, 2 * dk + 2 * r * dv)
+        qkvz = project(x, p, "qkvz", slot).reshape(n, hk, 2 * dk + 2 * r * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
-        ba = (x @ p["ba"]).reshape(n, hk, 2 * r)
+        ba = project(x, p, "ba", slot).reshape(n, hk, 2 * r)
         b_gate, a_gate = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
         mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
     else:
-        mixed, z = x @ p["qkv"], x @ p["z"]
-        b_gate, a_gate = x @ p["b"], x @ p["a"]
+        mixed, z, b_gate, a_gate = (project(x, p, name, slot) for name in ("qkv", "z", "b", "a"))
     outs = []
     for seg, m_s, a_s, b_s in zip(segments, *(split_segments(a, segments) for a in (mixed, a_gate, b_gate))):
         o, ssm = gdn_mix(m_s, a_s, b_s, ssm, seg, p, cfg, kernels)
         outs.append(o)
     o = join_segments(outs)                                          # [N, Hv, Dv]
     o = rms_norm_gated(o.astype(x.dtype), z.reshape(n, hv, dv), p["norm"], cfg.rms_norm_eps)
-    return o.reshape(n, hv * dv) @ p["out"], ssm
+    return project(o.reshape(n, hv * dv), p, "out", slot), ssm

@@ -9,6 +9,32 @@ small S*R of a serving pool (e.g. 4 x 16) a few percent of the base projection's
 import jax.numpy as jnp
 
 
+def project(x, p, name: str, slot=None):
+    """x @ p[name] (+ p[name + "_bias"]), plus each token's adapter delta when the params carry this
+    projection's adapter pool (p[name + "_lora"] = (A [S, in, R], B [S, R, out]), merged in by
+    `with_pool`) and slot [N] (each token's adapter slot) is given."""
+    y = x @ p[name]
+    if f"{name}_bias" in p:
+        y = y + p[f"{name}_bias"]
+    if slot is not None and f"{name}_lora" in p:
+        y = y + lora_delta(x, *p[f"{name}_lora"], slot)
+    return y
+
+
+def with_pool(params, pool: dict):
+    """params with the adapter pool merged in: pool {param path: (A, B)} -> p[name + "_lora"] beside p[name]."""
+    params = dict(params)
+    for path, ab in pool.items():
+        node = params
+        for key in path[:-1]:                           # copy the dicts / lists on the way down
+            child = node[key]
+            child = dict(child) if isinstance(child, dict) else list(child)
+            node[key] = child
+            node = child
+        node[f"{path[-1]}_lora"] = ab
+    return params
+
+
 def lora_delta(x, a, b, slot):
     """x [N, in]; a [S, in, R]; b [S, R, out]; slot [N] int32 (0 = no adapter) -> [N, out] (x's dtype)."""
     s, _, r = a.shape

@@ -15,19 +15,18 @@ import jax.numpy as jnp
 from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
 from .gdn import mix
+from .lora import project
 from .norms import rms_norm_gated_grouped
 
 
-def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
+def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     """p: in_proj [H, I + C + Hm] (+ in_proj_bias), conv [C, K] (+ conv_bias [C]), dt_bias, A_log, D [Hm],
     norm [I], out [I, H] (+ out_bias). ssm = (h [S, R, Hm, N, P] fp32, conv [S, R, C, K]).
     x [N, H] flat over the segments -> ([N, H], ssm)."""
     n = x.shape[0]
     hm, hd, ns, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
     width = hm * hd
-    proj = x @ p["in_proj"]
-    if "in_proj_bias" in p:
-        proj = proj + p["in_proj_bias"]
+    proj = project(x, p, "in_proj", slot)
     z, xbc, dt = jnp.split(proj, [width, width + cfg.mamba_conv_dim], axis=-1)
     a = -jnp.exp(p["A_log"].astype(jnp.float32))
     outs = []
@@ -44,5 +43,4 @@ def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA):
         outs.append(o + p["D"].astype(jnp.float32)[:, None] * v)
     y = join_segments(outs).reshape(n, width)
     y = rms_norm_gated_grouped(y, z, p["norm"], cfg.rms_norm_eps, ng).astype(x.dtype)
-    out = y @ p["out"]
-    return (out + p["out_bias"] if "out_bias" in p else out), ssm
+    return project(y, p, "out", slot), ssm

@@ -1,25 +1,20 @@
 """Dense feed-forward: SwiGLU down(silu(x @ gate) * (x @ up)) (Qwen), or relu2 down(relu(x @ up)^2)
-(Nemotron-H); which one by the params present."""
+(Nemotron-H); which one by the params present. slot: per-token LoRA adapter slots (layers/lora.py)."""
 import jax
 import jax.numpy as jnp
 
-
-def swiglu(p, x):
-    """p: {gate [H, F], up [H, F], down [F, H]}; x [..., H] -> [..., H]."""
-    return (jax.nn.silu(x @ p["gate"]) * (x @ p["up"])) @ p["down"]
+from .lora import project
 
 
-def relu2(p, x):
-    """p: {up [H, F], down [F, H]}; x [..., H] -> [..., H]."""
-    return jnp.square(jax.nn.relu(x @ p["up"])) @ p["down"]
+def swiglu(p, x, slot=None):
+    """p: {gate [H, F], up [H, F], down [F, H]}; x [N, H] -> [N, H]."""
+    return project(jax.nn.silu(project(x, p, "gate", slot)) * project(x, p, "up", slot), p, "down", slot)
 
 
-def mlp(p, x):
-    return swiglu(p, x) if "gate" in p else relu2(p, x)
+def relu2(p, x, slot=None):
+    """p: {up [H, F], down [F, H]}; x [N, H] -> [N, H]."""
+    return project(jnp.square(jax.nn.relu(project(x, p, "up", slot))), p, "down", slot)
 
 
-def hidden_act(p, x):
-    """The expert / MLP hidden activation before `down`: [..., H] -> [..., F] (fp32 inside)."""
-    if "gate" in p:
-        return jax.nn.silu((x @ p["gate"]).astype(jnp.float32)) * (x @ p["up"]).astype(jnp.float32)
-    return jnp.square(jax.nn.relu((x @ p["up"]).astype(jnp.float32)))
+def mlp(p, x, slot=None):
+    return swiglu(p, x, slot) if "gate" in p else relu2(p, x, slot)

@@ -174,7 +174,7 @@ def _experts_blocked(p, x, weights, ids):
     return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
 
 
-def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Routing = SOFTMAX):
+def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Routing = SOFTMAX, slot=None):
     """p: {router [H, E], [router_bias [E]], experts: {[gate [E, H', F]], up [E, H', F], down [E, F, H']},
     optional latent_in [H, H'] / latent_out [H', H] (H' = H without them), optional shared: MLP params,
     optional shared_gate [H, 1]}; x [..., H] -> [..., H]."""
@@ -192,7 +192,7 @@ def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Ro
     if "latent_out" in p:
         y = y @ p["latent_out"]
     if "shared" in p:
-        shared = mlp(p["shared"], x2).astype(jnp.float32)
+        shared = mlp(p["shared"], x2, slot).astype(jnp.float32)         # LoRA adapts the shared expert
         if "shared_gate" in p:
             shared = jax.nn.sigmoid((x2 @ p["shared_gate"]).astype(jnp.float32)) * shared
         y = y + shared.astype(x.dtype)

@@ -32,27 +32,27 @@ def routing(cfg: ModelConfig) -> Routing:
 
 
 def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA,
-                  skip_mixer: bool = False):
+                  skip_mixer: bool = False, slot=None):
     """One layer: a pre-norm residual mixer block and / or FFN block (skip_mixer: the FFN half only).
-    Returns (x, layer_state)."""
+    slot [N]: each token's LoRA adapter slot (None: no adapters). Returns (x, layer_state)."""
     mixer, ffn = cfg.layer_types[i], cfg.ffn_types[i]
     with jax.named_scope(f"layer_{i}"):
         if mixer != NONE and not skip_mixer:
             h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
             if mixer == FULL_ATTENTION:
-                h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels)
+                h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels, slot)
             elif mixer == LINEAR_ATTENTION:
-                h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels)
+                h, layer_state = gdn_layer(p["gdn"], h, layer_state, segments, cfg, kernels, slot)
             else:
                 assert mixer == MAMBA, mixer
-                h, layer_state = mamba2_layer(p["mamba"], h, layer_state, segments, cfg, kernels)
+                h, layer_state = mamba2_layer(p["mamba"], h, layer_state, segments, cfg, kernels, slot)
             x = x + h
         if ffn != NONE:
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
             if ffn == MOE:
-                h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels, routing(cfg))
+                h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels, routing(cfg), slot)
             else:
-                h = mlp(p["mlp"], h)
+                h = mlp(p["mlp"], h, slot)
             x = x + h
         return x, layer_state
 
@@ -63,28 +63,34 @@ def lm_head(params, x):
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
-            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False, logits: bool = True):
+            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False, logits: bool = True,
+            lora_slot=None):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
     hidden: final-normed hidden states at the same positions, or at every position ([N, H] on the
     flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels. skip_recurrent: the GDN
     mixers are skipped (their state untouched): the self-speculative draft model. logits=False (with
-    all_hidden): no lm_head, logits is None."""
+    all_hidden): no lm_head, logits is None. lora_slot: per segment [B] each row's LoRA adapter slot,
+    with the adapter pool merged into params (layers/lora.with_pool); None: no adapters."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     kv, ssm = list(state.kv), list(state.ssm)
+    slot = None
+    if lora_slot is not None:                               # per row -> per token on the flat axis
+        slot = jnp.concatenate([jnp.repeat(r, s.tokens.shape[1]) for r, s in zip(lora_slot, segments)])
     n_attn = n_rec = 0
     for i, p in enumerate(params["layers"]):
         if cfg.layer_types[i] == FULL_ATTENTION:
-            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i, kernels)
+            x, kv[n_attn] = decoder_layer(p, x, kv[n_attn], segments, cos, sin, cfg, i, kernels, slot=slot)
             n_attn += 1
         elif cfg.layer_types[i] in RECURRENT:
-            x, ssm[n_rec] = decoder_layer(p, x, ssm[n_rec], segments, cos, sin, cfg, i, kernels, skip_recurrent)
+            x, ssm[n_rec] = decoder_layer(p, x, ssm[n_rec], segments, cos, sin, cfg, i, kernels, skip_recurrent,
+                                          slot)
             n_rec += 1
         else:
-            x, _ = decoder_layer(p, x, None, segments, cos, sin, cfg, i, kernels)
+            x, _ = decoder_layer(p, x, None, segments, cos, sin, cfg, i, kernels, slot=slot)
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
     if all_logits or all_hidden:
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
