@@ -5,6 +5,10 @@ import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Engines here never write JAX's persistent compile cache (one process compiles hundreds of executables;
+# serialising them all cost time and, twice in a full run, crashed inside XLA's serializer);
+# test_scheduler checks the cache in a subprocess of its own.
+os.environ["ATLAS_JAX_DISABLE_COMPILE_CACHE"] = "1"
 sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models (the torch oracle) by name
 
 import numpy as np  # noqa: E402

@@ -3,6 +3,7 @@
 independence and replay; bit-exact swap; no leaks; no compiles after warm-up."""
 import dataclasses
 import random
+import sys
 
 import jax
 import numpy as np
@@ -182,10 +183,23 @@ def test_request_that_can_never_fit_is_refused(llm):
     assert small.num_compiles == 0
 
 
-def test_warmup_fills_the_persistent_compile_cache(llm):
+def test_warmup_fills_the_persistent_compile_cache(tiny_model_path, tmp_path):
+    """In a fresh process (the suite's engines run without the cache): warm-up writes every compiled
+    step to $ATLAS_JAX_HOME/xla_cache, and a second process loads them instead of compiling."""
+    import json
     import os
-    from atlas_jax.engine.llm import default_compile_cache_dir
-    assert len(os.listdir(default_compile_cache_dir())) >= llm.num_warmup_compiles
+    import subprocess
+    code = ("import json; from atlas_jax import LLM; from atlas_jax.engine.llm import default_compile_cache_dir as d; "
+            "import os; llm = LLM(%r, dtype='float32', page_size=8, max_num_seqs=1, max_model_len=32, "
+            "max_prefill_chunk=16, progress=False); "
+            "print(json.dumps([llm.num_warmup_compiles, len(os.listdir(d()))]))" % tiny_model_path)
+    env = {k: v for k, v in os.environ.items() if k != "ATLAS_JAX_DISABLE_COMPILE_CACHE"}
+    env["ATLAS_JAX_HOME"] = str(tmp_path)
+    run = lambda: json.loads(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                                            check=True).stdout.strip().splitlines()[-1])
+    compiles, entries = run()
+    assert compiles > 0 and entries >= compiles
+    assert run()[1] == entries                                   # the second start wrote nothing new
 
 
 def test_no_compiles_after_warmup_over_random_workload(llm, scheduler_config, memory_pressure):

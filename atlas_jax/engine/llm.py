@@ -39,8 +39,9 @@ def resolve_dtype(dtype) -> jnp.dtype:
 
 
 def enable_compile_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache: a restart reloads compiled steps instead of recompiling."""
-    if path:
+    """JAX's persistent compilation cache: a restart reloads compiled steps instead of recompiling.
+    ATLAS_JAX_DISABLE_COMPILE_CACHE=1 keeps it off for the whole process (the test suite sets it)."""
+    if path and os.environ.get("ATLAS_JAX_DISABLE_COMPILE_CACHE", "") not in ("1", "true"):
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
