@@ -6,10 +6,9 @@ Qwen3.5 differs in its checkpoint only: the GDN input projections are separate (
 all k, all v heads; in_proj_z; in_proj_b; in_proj_a) where Qwen3-Next groups them per key head
 (in_proj_qkvz, in_proj_ba); multimodal checkpoints nest the decoder under model.language_model.
 (cfg.weight_prefix); MoE checkpoints may hold each layer's experts fused in two 3-D tensors."""
-import dataclasses
-
 from ..config import ModelConfig
 from .layout import ParamSpec, attention_specs, embedding_specs, ffn_specs, linear, vector
+from .mtp import mtp_config
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
@@ -52,7 +51,7 @@ def mtp_specs(cfg: ModelConfig, num_layers: int, fused_experts: bool = False):
              vector(("mtp", "pre_fc_norm_embedding"), "mtp.pre_fc_norm_embedding.weight", h),
              vector(("mtp", "pre_fc_norm_hidden"), "mtp.pre_fc_norm_hidden.weight", h),
              vector(("mtp", "norm"), "mtp.norm.weight", h)]
-    mcfg = dataclasses.replace(cfg, num_layers=1, layer_types=("full_attention",), ffn_types=(cfg.mtp_ffn,))
+    mcfg = mtp_config(cfg)
     for i in range(num_layers):
         specs += layer_specs(mcfg, 0, ("mtp", "layers", i), f"mtp.layers.{i}", fused_experts)
     return specs
