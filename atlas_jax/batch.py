@@ -27,6 +27,8 @@ class StepBatch:
     slot: jax.Array          # [B] int32 recurrent-state slot; num_slots (out of range) for padding rows
     state_idx: jax.Array     # [B] int32 state position the row's recurrent state is read from (0 unless
                              # speculating: then the position of the last accepted token, see layers/gdn.py)
+    adapter: jax.Array | None = None   # [B] int32 LoRA adapter slot per row (0 = base model); None: engine
+                                       # without LoRA (layers/lora.py)
 
     @property
     def positions(self):     # [B, T]

@@ -13,8 +13,7 @@ import torch
 import hf_models
 
 from atlas_jax.config import ModelConfig
-from atlas_jax.layers.lora import lora_delta
-from atlas_jax.models.layout import get_path
+from atlas_jax.layers.lora import lora_delta, param_at
 from atlas_jax.weights import load_model_params
 from atlas_jax.weights.lora import LoRAError, adaptable, load_peft_adapter
 
@@ -70,7 +69,7 @@ def test_adapter_matches_peft_modules(ckpt_dir, tmp_path, family):
     assert len(modules) == len(adapter.weights) > 0
     params, _ = load_model_params(path, cfg, "float32")
     for param_path, (a, b) in adapter.weights.items():            # each pair fits the param it adapts
-        assert get_path(params, param_path).shape == (a.shape[0], b.shape[1])
+        assert param_at(params, param_path).shape == (a.shape[0], b.shape[1])
     _check_against_peft(peft_model, adapter, cfg, modules, seed=2)
 
 
@@ -150,9 +149,8 @@ def test_forward_mixing_adapters_matches_peft(ckpt_dir, tmp_path, family):
     state = init_state(cfg, 3 * pages, page, 3, jnp.float32)
     seg = StepBatch(tokens=jnp.asarray([prompt] * 3), q_len=jnp.full(3, t), start=jnp.zeros(3, jnp.int32),
                     block_table=jnp.arange(3 * pages).reshape(3, pages), slot=jnp.arange(3),
-                    state_idx=jnp.zeros(3, jnp.int32))
-    logits, _, _ = forward(with_pool(params, pool), state, (seg,), cfg, all_logits=True,
-                           lora_slot=(jnp.arange(3, dtype=jnp.int32),))
+                    state_idx=jnp.zeros(3, jnp.int32), adapter=jnp.arange(3, dtype=jnp.int32))
+    logits, _, _ = forward(with_pool(params, pool), state, (seg,), cfg, all_logits=True)
     for row, ref in enumerate(refs):
         np.testing.assert_allclose(np.asarray(logits[0][row]), ref, atol=2e-5, rtol=1e-4)
     assert np.abs(refs[1] - refs[0]).max() > 1e-3 and np.abs(refs[2] - refs[1]).max() > 1e-3

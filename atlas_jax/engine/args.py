@@ -41,6 +41,10 @@ class EngineArgs:
                                         "requests' prefixes (multi-turn chat, shared system prompts, n > 1)")
     prefix_snapshot_bytes: int | None = _knob(None, "device memory for recurrent-state snapshots of cached prefixes "
                                               "(default: 4 per running sequence, at least 16, within 2 GiB)")
+    enable_lora: bool = _knob(False, "serve LoRA adapters (PEFT format) beside the base model")
+    max_loras: int = _knob(1, "LoRA adapters resident on the device at once (slots of the adapter pool)")
+    max_lora_rank: int = _knob(16, "the largest LoRA rank served (smaller ranks are zero-padded)")
+    max_cpu_loras: int | None = _knob(None, "LoRA adapters kept in host memory (default: max_loras)")
     speculative: dict | None = _knob(None, "speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, ngram; e.g. "
                                      "'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
 

@@ -21,6 +21,7 @@ from ..state.cache import snapshot_bytes
 from ..state.prefix_cache import PrefixCache
 from .detokenizer import IncrementalDetokenizer
 from .errors import InvalidRequestError
+from .lora import LoRAManager, LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner, RowInput
 from .sampler import BIAS_COLUMNS
@@ -37,8 +38,9 @@ class Request:
     """One client request: its n sequences and what has been streamed of them."""
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence]):
+                 seqs: list[Sequence], lora: tuple[str, int] | None = None):
         self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
+        self.lora = lora                       # (adapter name, registration uid) or None (the base model)
         self._sent = [(0, 0)] * len(seqs)      # (text chars, tokens) already streamed per sequence (delta kind)
         self.error: str | None = None
         self.prompt_logprobs: list | None = None
@@ -78,7 +80,9 @@ class EngineCore:
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
                  max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
                  speculative: SpeculativeConfig | None = None, enable_prompt_logprobs: bool = False,
-                 enable_prefix_caching: bool = False, prefix_snapshot_bytes: int | None = None):
+                 enable_prefix_caching: bool = False, prefix_snapshot_bytes: int | None = None,
+                 lora: dict | None = None):
+        """lora: None, or {"max_loras", "max_lora_rank", "max_cpu_loras"} (multi-LoRA serving, engine/lora.py)."""
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -103,7 +107,11 @@ class EngineCore:
                                   mtp_layers=len(params.get("mtp", {}).get("layers", ())),
                                   self_drafts=bool(speculative) and speculative.method == "self",
                                   num_snapshots=self._num_snapshots(enable_prefix_caching, prefix_snapshot_bytes,
-                                                                    dtype, max_num_seqs))
+                                                                    dtype, max_num_seqs),
+                                  lora_slots=lora["max_loras"] if lora else 0,
+                                  lora_rank=lora["max_lora_rank"] if lora else 0)
+        self.lora = LoRAManager(cfg, lora["max_loras"], lora["max_lora_rank"], lora.get("max_cpu_loras"),
+                                self.runner.load_adapter) if lora else None
         self.speculative = speculative
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
@@ -118,7 +126,7 @@ class EngineCore:
             self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
             recurrent=bool(cfg.recurrent_layers)) if enable_prefix_caching else None
         self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner),
-                                   self.prefix_cache)
+                                   self.prefix_cache, self.lora)
         self.requests: dict[str, Request] = {}
         self._seed_rng = np.random.default_rng(seed)
         self._order = itertools.count()
@@ -157,11 +165,14 @@ class EngineCore:
             raise InvalidRequestError(f"{param} token ids {bad[:5]} are outside the vocabulary "
                                       f"[0, {self.cfg.vocab_size})", param)
 
-    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
+    def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                     lora_request: LoRARequest | str | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError when it can never run.
-        Touches no engine state, so any thread may call it."""
+        Touches no engine state, so any thread may call it. lora_request: a LoRARequest (registered and
+        read from disk here if new), a registered adapter's name, or None (the base model)."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        lora = self._lookup_lora(lora_request, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         text, ids = self.encode(prompt)
         if not ids:
@@ -201,13 +212,24 @@ class EngineCore:
                                             params.include_stop_str_in_output) if self.tokenizer is not None else None)
             seqs.append(Sequence(request_id=request_id, prompt=text, prompt_ids=ids, params=params, seed=seed,
                                  max_len=max_len, order=next(self._order), detok=detok,
-                                 eos_ids=tuple(self.cfg.eos_token_ids), bad_word_ids=bad_words))
-        req = Request(request_id, text, ids, params, seqs)
+                                 eos_ids=tuple(self.cfg.eos_token_ids), bad_word_ids=bad_words,
+                                 lora_name=lora[0] if lora else None, cache_key=lora[1] if lora else 0))
+        req = Request(request_id, text, ids, params, seqs, lora)
         for s in seqs:
             s.request = req
             if self.scheduler.cache is not None and s is not seqs[0]:
                 s.fork_leader = seqs[0]             # forks from the first one's cached prompt
         return req
+
+    def _lookup_lora(self, lora_request, params: SamplingParams) -> tuple[str, int] | None:
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora=True / "
+                                      "--enable-lora)", "lora_request")
+        if params.prompt_logprobs is not None:
+            raise InvalidRequestError("prompt_logprobs is not served under a LoRA adapter", "prompt_logprobs")
+        return self.lora.lookup(lora_request)
 
     def _bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
         """Each bad word's token ids, alone and after a space (as vLLM: both spellings a model may use)."""
@@ -222,6 +244,8 @@ class EngineCore:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         if req.params.prompt_logprobs is not None:
             req.prompt_logprobs = self._prompt_logprobs(req.prompt_ids, req.params.prompt_logprobs)
+        if req.lora is not None:
+            self.lora.use(*req.lora)                    # the adapter cannot be unloaded until it ends
         self.requests[req.request_id] = req
         for s in req.seqs:
             self.scheduler.add(s)
@@ -237,14 +261,16 @@ class EngineCore:
         best = np.argsort(-logp, axis=-1)[:, :top]
         return [None] + [{int(t): float(logp[j, t]) for t in (ids[j + 1], *best[j])} for j in range(len(ids) - 1)]
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> Request:
-        req = self.make_request(prompt, params, request_id)
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    lora_request: LoRARequest | str | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id, lora_request)
         self.submit(req)
         return req
 
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> Request | None:
         req = self.requests.pop(str(request_id), None)
         if req is not None:
+            self._retired(req)
             self.num_aborted[reason] = self.num_aborted.get(reason, 0) + 1
             for s in req.seqs:
                 s.finish(reason, error=error)
@@ -343,9 +369,14 @@ class EngineCore:
 
     def _finish_step(self, touched: dict) -> list[Request]:
         for rid, req in touched.items():
-            if req.finished:
-                self.requests.pop(rid, None)
+            if req.finished and self.requests.pop(rid, None) is not None:
+                self._retired(req)
         return list(touched.values())
+
+    def _retired(self, req: Request) -> None:
+        """req left the engine (finished or aborted): its adapter may be unloaded again."""
+        if req.lora is not None:
+            self.lora.done(req.lora[0])
 
     def row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
         """seq's next n tokens as a row; `fed` = tokens the row will really feed (n + drafts)."""
@@ -353,7 +384,8 @@ class EngineCore:
         row = RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
                        state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
-                       logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False))
+                       logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
+                       adapter=seq.adapter_slot or 0)
         k = self.runner.mtp_drafts
         if k and end == seq.num_tokens and wants_drafts(seq):
             need = seq.num_cached + (fed or n) + k - 1          # the MTP head writes KV up to the last draft

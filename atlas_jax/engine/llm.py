@@ -20,6 +20,7 @@ from ..tokenizer import Tokenizer
 from ..weights import load_model_params
 from .args import EngineArgs
 from .core import EngineCore
+from .lora import LoRARequest
 from .sampling_params import SamplingParams
 from .speculative import SpeculativeConfig
 
@@ -80,7 +81,9 @@ class LLM:
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
             speculative=spec, enable_prompt_logprobs=a.enable_prompt_logprobs,
-            enable_prefix_caching=a.enable_prefix_caching, prefix_snapshot_bytes=a.prefix_snapshot_bytes)
+            enable_prefix_caching=a.enable_prefix_caching, prefix_snapshot_bytes=a.prefix_snapshot_bytes,
+            lora=dict(max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
+            if a.enable_lora else None)
         self.runner = self.engine.runner
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 
@@ -99,6 +102,25 @@ class LLM:
         """Prefix cache counters (token hit rate, snapshots, evictions); None when caching is off."""
         return self.engine.prefix_cache_stats()
 
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register an adapter (read from disk now; LoRAError when it cannot be served)."""
+        self._lora_manager().register(lora_request)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Forget an adapter; refused (LoRAError) while a request uses it."""
+        self._lora_manager().unregister(name)
+        return True
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self._lora_manager().names()
+
+    def _lora_manager(self):
+        if self.engine.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora=True)")
+        return self.engine.lora
+
     def spec_stats(self) -> dict:
         """Speculative decoding counters: acceptance rate, mean accepted length, tokens per target step."""
         return self.engine.spec_stats.summary()
@@ -109,10 +131,11 @@ class LLM:
     page_size = property(lambda self: self.engine.blocks.page_size)
     max_num_seqs = property(lambda self: self.engine.sched_config.max_num_seqs)
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None):
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None):
         """prompts: a str / token-id list, or a list of them. Returns one RequestOutput per prompt, in
-        order. Every request is validated before any is queued: one bad request raises ValueError and
-        runs nothing."""
+        order. lora_request: one LoRARequest for every prompt, or a list with one per prompt (None = the
+        base model); needs enable_lora=True. A bad request raises ValueError and runs nothing."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
@@ -121,10 +144,14 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        if not isinstance(lora_request, (list, tuple)):
+            lora_request = [lora_request] * len(prompts)
+        if len(lora_request) != len(prompts):
+            raise ValueError(f"{len(lora_request)} LoRA requests for {len(prompts)} prompts")
         reqs = []
         try:
-            for p, sp in zip(prompts, sampling_params):
-                reqs.append(self.engine.add_request(p, sp))
+            for p, sp, lr in zip(prompts, sampling_params, lora_request):
+                reqs.append(self.engine.add_request(p, sp, lora_request=lr))
             while self.engine.has_unfinished():
                 self.engine.step()
         except BaseException:

@@ -48,6 +48,7 @@ class RowInput:
     next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
     draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
     logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
+    adapter: int = 0           # LoRA adapter slot (0 = the base model)
 
 
 def bucket(n: int, cap: int | None = None) -> int:
@@ -72,7 +73,9 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
                  kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
-                 self_drafts: bool = False, num_snapshots: int = 0):
+                 self_drafts: bool = False, num_snapshots: int = 0, lora_slots: int = 0, lora_rank: int = 0):
+        """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
+        on every adaptable projection, and an adapter column in every step."""
         self.cfg = cfg
         self.params = params
         self.num_pages = num_pages
@@ -90,7 +93,8 @@ class ModelRunner:
         self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
                                  init_penalty_state(num_slots, cfg.vocab_size),
                                  init_mtp_kv(cfg, mtp_layers, num_pages, page_size, dtype) if mtp_drafts else (),
-                                 init_snapshots(cfg, num_snapshots, dtype))
+                                 init_snapshots(cfg, num_snapshots, dtype),
+                                 self._init_lora_pool(lora_slots, lora_rank, dtype))
         self.num_snapshots = num_snapshots
         self.dtype = dtype
         self._jitted = {
@@ -103,10 +107,22 @@ class ModelRunner:
             "restore": jax.jit(steps.restore, donate_argnums=(1,)),
             "snapshot": jax.jit(steps.take_snapshot, donate_argnums=(1,)),
             "prefix": jax.jit(steps.load_prefix, donate_argnums=(1,)),
+            "adapter": jax.jit(steps.load_adapter, donate_argnums=(1,)),
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
         self.step_counts = {"decode": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
+
+    def _init_lora_pool(self, slots: int, rank: int, dtype) -> dict:
+        if not slots:
+            return {}
+        from .lora import pool_shapes
+        return {key: (jnp.zeros((slots + 1, d_in, rank), dtype), jnp.zeros((slots + 1, rank, d_out), dtype))
+                for key, (d_in, d_out) in pool_shapes(self.cfg, self.params).items()}
+
+    @property
+    def lora(self) -> bool:
+        return bool(self.state.lora)
 
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
@@ -145,6 +161,7 @@ class ModelRunner:
         table = np.zeros((b, p), np.int32)
         slot = np.full((b,), self.num_slots, np.int32)          # padding rows: out of range
         state_idx = np.zeros((b,), np.int32)
+        adapter = np.zeros((b,), np.int32)
         for i, r in enumerate(rows):
             n = len(r.tokens)
             if not 1 <= n <= t:
@@ -152,10 +169,11 @@ class ModelRunner:
             if -(-(r.start + n) // self.page_size) > min(len(r.block_table), p):
                 raise ValueError(f"row {i} needs pages for {r.start + n} tokens; it has {len(r.block_table)}")
             tokens[i, :n] = r.tokens
-            q_len[i], start[i], slot[i], state_idx[i] = n, r.start, r.slot, r.state_idx
+            q_len[i], start[i], slot[i], state_idx[i], adapter[i] = n, r.start, r.slot, r.state_idx, r.adapter
             table[i, :len(r.block_table)] = r.block_table
         return StepBatch(tokens=jnp.asarray(tokens), q_len=jnp.asarray(q_len), start=jnp.asarray(start),
-                         block_table=jnp.asarray(table), slot=jnp.asarray(slot), state_idx=jnp.asarray(state_idx))
+                         block_table=jnp.asarray(table), slot=jnp.asarray(slot), state_idx=jnp.asarray(state_idx),
+                         adapter=jnp.asarray(adapter) if self.lora else None)
 
     def _sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
         """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows
@@ -376,6 +394,21 @@ class ModelRunner:
         self._run("prefix", i32(slot), i32(0 if snap is None else snap), i32(src), i32(dst), jnp.asarray(col),
                   i32(prompt_len), i32(len(tokens)))
 
+    # ---- LoRA (engine/lora.py) ----------------------------------------------------------------
+    def load_adapter(self, slot: int, weights: dict) -> None:
+        """Pool slot `slot` := an adapter's weights {param key: (A [in, R], B [R, out])}; projections the
+        adapter leaves alone get zeros. A data update of the donated state: nothing recompiles."""
+        full = {}
+        for key, (a, b) in self.state.lora.items():
+            if key in weights:
+                full[key] = tuple(jnp.asarray(w, jnp.float32) for w in weights[key])
+            else:
+                full[key] = (jnp.zeros(a.shape[1:], jnp.float32), jnp.zeros(b.shape[1:], jnp.float32))
+        unknown = set(weights) - set(full)
+        if unknown:
+            raise ValueError(f"adapter weights for {sorted(unknown)[:3]}, which this model's pool lacks")
+        self._run("adapter", jnp.asarray(slot, jnp.int32), full)
+
     # ---- warm-up ----------------------------------------------------------------------------
     def warmup(self, swap: bool = False, progress: bool = True, score: bool = False, prefix: bool = False) -> int:
         """Compile every serving bucket now (lowered from abstract shapes, nothing runs).
@@ -391,6 +424,8 @@ class ModelRunner:
             jobs += [("logits", ((1, tp),)) for tp in self.prefill_token_buckets]
         if prefix:
             jobs += [("prefix", None)] + ([("snapshot", None)] if self.num_snapshots else [])
+        if self.lora:
+            jobs += [("adapter", None)]
         for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
             self._compile_abstract(kind, shape)
         return self.num_compiles - before
@@ -401,16 +436,16 @@ class ModelRunner:
     def abstract_args(self, kind: str, shape) -> tuple:
         """ShapeDtypeStructs of a `kind` step's arguments after (params, state) for one bucket."""
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+
+        def segment(b, t):
+            return StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b),
+                             i32(b) if self.lora else None)
         if kind == "draft":
-            seg = StepBatch(i32(shape, 1), i32(shape), i32(shape), i32(shape, self.max_pages_per_seq), i32(shape),
-                            i32(shape))
-            args = (seg, i32(shape))
+            args = (segment(shape, 1), i32(shape))
         elif kind == "logits":
-            args = (tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
-                          for b, t in shape),)
+            args = (tuple(segment(b, t) for b, t in shape),)
         elif kind in ("step", "verify"):
-            segs = tuple(StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b))
-                         for b, t in shape)
+            segs = tuple(segment(b, t) for b, t in shape)
             b = sum(bb for bb, _ in shape)
             f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
             sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b),
@@ -426,6 +461,10 @@ class ModelRunner:
             args = (i32(), i32(), i32())
         elif kind == "prefix":
             args = (i32(), i32(), i32(), i32(), i32(self.max_pages_per_seq * self.page_size), i32(), i32())
+        elif kind == "adapter":
+            args = (i32(), {key: (jax.ShapeDtypeStruct(a.shape[1:], jnp.float32),
+                                  jax.ShapeDtypeStruct(b.shape[1:], jnp.float32))
+                            for key, (a, b) in self.state.lora.items()})
         else:
             saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())

@@ -22,6 +22,12 @@ it gives up its pages (finished, aborted, preempted), which it then only release
 pages stay cached (idle, evictable) until memory is needed, and idle pages are reclaimed before
 anything is preempted. With n > 1 the siblings wait until the first has prefilled the prompt up to
 its last token and then start from that cached state (a fork: pages shared, state copied).
+
+LoRA (`adapters`, engine/lora.py): a sequence under an adapter holds a reference on the adapter's
+device slot while it holds a recurrent slot (admission or swap-in to its release). When no adapter
+slot can be had (all hold adapters in use) it stays queued, and so does every later sequence that
+needs an adapter (first come, first served: the slots drain and it gets one); base-model sequences
+go on being admitted.
 """
 from __future__ import annotations
 
@@ -59,7 +65,7 @@ class ScheduledStep:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator, swapper,
-                 cache: PrefixCache | None = None):
+                 cache: PrefixCache | None = None, adapters=None):
         """swapper: the device — save(pages, slot) -> host state, restore(pages, slot, state),
         nbytes(state); with a cache also take_snapshot(slot, state_idx, snap) and
         load_prefix(slot, snap, cow, tokens, prompt_len) (runner.py)."""
@@ -70,6 +76,7 @@ class Scheduler:
         self.slots = slots
         self.swapper = swapper
         self.cache = cache
+        self.adapters = adapters                       # LoRAManager (acquire(uid) -> slot | None, release(slot))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
@@ -113,6 +120,17 @@ class Scheduler:
         if seq.slot is not None:
             self.slots.free([seq.slot])
             seq.slot = None
+        if seq.adapter_slot is not None:
+            self.adapters.release(seq.adapter_slot)
+            seq.adapter_slot = None
+
+    def _take_adapter(self, seq: Sequence) -> bool:
+        """seq's adapter slot (a reference on it); False when every adapter slot is busy."""
+        if self.adapters is None or seq.lora_name is None:
+            seq.adapter_slot = 0
+            return True
+        seq.adapter_slot = self.adapters.acquire(seq.cache_key)
+        return seq.adapter_slot is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> ScheduledStep:
@@ -168,12 +186,13 @@ class Scheduler:
 
     def _admit(self, chosen: dict) -> None:
         cfg = self.config
-        i = 0
+        i, adapters_blocked = 0, False
         while i < len(self.waiting) and not self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             seq = self.waiting[i]
-            if seq.fork_leader is not None and not seq.fork_leader.fork_ready:
+            if (seq.fork_leader is not None and not seq.fork_leader.fork_ready) or \
+                    (adapters_blocked and seq.lora_name is not None):
                 i += 1                                    # a sibling waits for the shared prompt to be cached
-                continue
+                continue                                  # (or an earlier sequence for an adapter slot)
             budget = cfg.max_num_batched_tokens - sum(chosen.values())
             hit = self._lookup(seq) if budget > 0 else None
             start = hit.length if hit is not None else 0
@@ -187,6 +206,11 @@ class Scheduler:
             if self.blocks.num_free < need + (cfg.watermark_pages if self.running else 0):
                 self.blocks.free(keep)
                 return
+            if not self._take_adapter(seq):               # every adapter slot is busy: it waits
+                self.blocks.free(keep)
+                adapters_blocked = True
+                i += 1
+                continue
             del self.waiting[i]
             if hit is not None:
                 self.cache.record(seq.num_tokens, hit)
@@ -283,7 +307,7 @@ class Scheduler:
             seq = self.swapped[0]
             need = self.blocks.pages_for(seq.num_cached)
             headroom = cfg.watermark_pages + 1 if self.running else 0
-            if self.blocks.num_free < need + headroom:
+            if self.blocks.num_free < need + headroom or not self._take_adapter(seq):
                 return
             self.swapped.pop(0)
             seq.slot = self.slots.allocate(1)[0]

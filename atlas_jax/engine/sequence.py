@@ -74,8 +74,10 @@ class Sequence:
     request: object = None                     # the engine's Request this sequence belongs to
     eos_ids: tuple[int, ...] = ()              # the model's end tokens (finish; banned before min_tokens)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words tokenized (each with and without a leading space)
+    lora_name: str | None = None               # the LoRA adapter it runs under (None = the base model)
+    adapter_slot: int | None = None            # its adapter's device slot while it holds one (0 = base model)
     # prefix cache (state/prefix_cache.py)
-    cache_key: int = 0                         # which cache tree: 0 = the base model
+    cache_key: int = 0                         # which cache tree: 0 = the base model, else its adapter's uid
     nodes: list = dataclasses.field(default_factory=list)    # cache nodes of its first full pages, in order
     snap_points: list[int] = dataclasses.field(default_factory=list)   # positions to snapshot at (ascending)
     last_snapshot: int = 0                     # position of its latest snapshot (interval snapshots)

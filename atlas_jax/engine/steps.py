@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models import mtp
+from ..layers.lora import with_pool
 from ..models.decoder import forward, last_positions, lm_head
 from ..state.cache import ModelState
 from .sampler import PenaltyState, record_fed_tokens, sample, verify
@@ -27,12 +28,20 @@ class EngineState:
     draft_kv: tuple = ()       # the MTP head's (k, v) page pools per MTP layer (empty without MTP)
     snapshots: tuple = ()      # prefix cache: per GDN layer (h [N, Hv, Dk, Dv] fp32, conv [N, C, K]) recurrent
                                # state after a cached prefix (state/prefix_cache.py); empty when off
+    lora: dict = dataclasses.field(default_factory=dict)   # LoRA pool: param key -> (A [S, in, R], B [S, R, out]),
+                               # slot 0 zeros (layers/lora.py, engine/lora.py); empty without LoRA
+
+
+def _params(params, state: EngineState):
+    """The weights a forward sees: the params with the resident LoRA adapters merged in."""
+    return with_pool(params, state.lora)
 
 
 def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, mtp_in):
     """Decode rows and prefill chunks; one sampled token per row (+ MTP drafts)."""
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    logits, hidden, model = forward(params, state.model, segments, cfg, kernels=kernels, all_hidden=mtp_drafts > 0)
+    logits, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels,
+                                    all_hidden=mtp_drafts > 0)
     out = sample(logits, sampling, penalties)
     drafts, draft_kv = None, state.draft_kv
     if mtp_drafts:
@@ -44,7 +53,7 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
             offset += b
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
-    return (out, drafts), EngineState(model, penalties, draft_kv, state.snapshots)
+    return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv)
 
 
 def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):
@@ -54,7 +63,7 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
     B verify rows then the prefill rows), the acceptance test at every verify position, and MTP
     drafts for the next step (from each verify row's accepted position)."""
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
-    _, hidden, model = forward(params, state.model, segments, cfg, kernels=kernels, all_hidden=True,
+    _, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels, all_hidden=True,
                                logits=False)
     seg = segments[0]
     b, k = seg.tokens.shape
@@ -78,7 +87,8 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
             catch.append(segments[1].q_len)
         new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
                                            mtp_drafts, kernels)
-    return (first, target, accept, new_drafts), EngineState(model, penalties, draft_kv, state.snapshots)
+    return (first, target, accept, new_drafts), dataclasses.replace(state, model=model, penalties=penalties,
+                                                                    draft_kv=draft_kv)
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
@@ -90,14 +100,14 @@ def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segmen
     for j in range(num_drafts):
         seg = dataclasses.replace(segment, tokens=tok[:, None], start=segment.start + j,
                                   q_len=jnp.where((segment.q_len > 0) & (j < caps), 1, 0))
-        logits, _, model = forward(params, model, (seg,), cfg, kernels=kernels, skip_recurrent=True)
+        logits, _, model = forward(_params(params, state), model, (seg,), cfg, kernels=kernels, skip_recurrent=True)
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), dataclasses.replace(state, model=model)
 
 
 def logits_step(cfg, kernels, params, state: EngineState, segments):
-    logits, _, model = forward(params, state.model, segments, cfg, all_logits=True, kernels=kernels)
+    logits, _, model = forward(_params(params, state), state.model, segments, cfg, all_logits=True, kernels=kernels)
     return logits, dataclasses.replace(state, model=model)
 
 
@@ -119,7 +129,7 @@ def restore(params, state: EngineState, pages, slot, saved):
     ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
     pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
                        state.penalties.out_count.at[slot].set(out_count))
-    return None, EngineState(ModelState(kv=kv[:n], ssm=ssm), pen, kv[n:], state.snapshots)
+    return None, dataclasses.replace(state, model=ModelState(kv=kv[:n], ssm=ssm), penalties=pen, draft_kv=kv[n:])
 
 
 def take_snapshot(params, state: EngineState, slot, idx, snap):
@@ -147,5 +157,13 @@ def load_prefix(params, state: EngineState, slot, snap, cow_src, cow_dst, tokens
     out_count = state.penalties.out_count.at[slot].set(0)
     out_count = out_count.at[jnp.where((pos < n) & (pos >= prompt_len), slot, none), tokens].add(1, mode="drop")
     m = len(state.model.kv)
-    return None, EngineState(ModelState(kv=kv[:m], ssm=ssm), PenaltyState(in_prompt, out_count), kv[m:],
-                             state.snapshots)
+    return None, dataclasses.replace(state, model=ModelState(kv=kv[:m], ssm=ssm),
+                                     penalties=PenaltyState(in_prompt, out_count), draft_kv=kv[m:])
+
+
+def load_adapter(params, state: EngineState, slot, weights):
+    """LoRA promotion: pool slot `slot` := weights {param key: (A [in, R], B [R, out])} (every pool key)."""
+    del params
+    lora = {key: (a.at[slot].set(weights[key][0].astype(a.dtype)), b.at[slot].set(weights[key][1].astype(b.dtype)))
+            for key, (a, b) in state.lora.items()}
+    return None, dataclasses.replace(state, lora=lora)

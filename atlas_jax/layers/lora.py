@@ -21,10 +21,24 @@ def project(x, p, name: str, slot=None):
     return y
 
 
+def key_path(key: str) -> list:
+    """'layers.3.attn.q_proj' -> ['layers', 3, 'attn', 'q_proj'] (the pool's keys are dotted param paths)."""
+    return [int(k) if k.isdigit() else k for k in key.split(".")]
+
+
+def param_at(params, key: str):
+    for k in key_path(key):
+        params = params[k]
+    return params
+
+
 def with_pool(params, pool: dict):
-    """params with the adapter pool merged in: pool {param path: (A, B)} -> p[name + "_lora"] beside p[name]."""
+    """params with the adapter pool merged in: pool {param key: (A, B)} -> p[name + "_lora"] beside p[name]."""
+    if not pool:
+        return params
     params = dict(params)
-    for path, ab in pool.items():
+    for key, ab in pool.items():
+        path = key_path(key)
         node = params
         for key in path[:-1]:                           # copy the dicts / lists on the way down
             child = node[key]

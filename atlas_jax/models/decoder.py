@@ -63,23 +63,22 @@ def lm_head(params, x):
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
-            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False, logits: bool = True,
-            lora_slot=None):
+            kernels: Kernels = XLA, all_hidden: bool = False, skip_recurrent: bool = False, logits: bool = True):
     """Returns (logits, hidden, state). logits: [sum B, V] fp32 at each row's last new token
     (rows of all segments in order), or per segment [B, T, V] (a list) with all_logits;
     hidden: final-normed hidden states at the same positions, or at every position ([N, H] on the
     flat token axis) with all_hidden. kernels: XLA layers or Pallas kernels. skip_recurrent: the GDN
     mixers are skipped (their state untouched): the self-speculative draft model. logits=False (with
-    all_hidden): no lm_head, logits is None. lora_slot: per segment [B] each row's LoRA adapter slot,
-    with the adapter pool merged into params (layers/lora.with_pool); None: no adapters."""
+    all_hidden): no lm_head, logits is None. LoRA: each row's adapter slot is its segment's `adapter`
+    column, the adapter pool merged into params (layers/lora.with_pool); adapter None: no adapters."""
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in segments])
     x = jnp.take(params["embed"], tokens, axis=0)                               # [N, H]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     kv, ssm = list(state.kv), list(state.ssm)
     slot = None
-    if lora_slot is not None:                               # per row -> per token on the flat axis
-        slot = jnp.concatenate([jnp.repeat(r, s.tokens.shape[1]) for r, s in zip(lora_slot, segments)])
+    if segments[0].adapter is not None:                     # per row -> per token on the flat axis
+        slot = jnp.concatenate([jnp.repeat(s.adapter, s.tokens.shape[1]) for s in segments])
     n_attn = n_rec = 0
     for i, p in enumerate(params["layers"]):
         if cfg.layer_types[i] == FULL_ATTENTION:

@@ -34,17 +34,18 @@ class LoRAAdapter:
     name: str
     rank: int                         # the adapter's own r (<= the engine's max rank)
     scale: float                      # lora_alpha / r (or / sqrt(r)); rank_pattern / alpha_pattern modules differ
-    weights: dict                     # param path -> (A [in, R], B [R, out] * scale), float32, R = max rank
+    weights: dict                     # param key -> (A [in, R], B [R, out] * scale), float32, R = max rank
 
 
-def adaptable(cfg: ModelConfig) -> dict[str, tuple]:
-    """HF module name -> param path, for every projection a LoRA adapter may target."""
+def adaptable(cfg: ModelConfig) -> dict[str, str]:
+    """HF module name -> param key (the param's path joined by dots, e.g. 'layers.3.attn.q_proj'), for
+    every projection a LoRA adapter may target."""
     out = {}
     for spec in family(cfg.model_type).param_specs(cfg):
         name = spec.hf_names[0]
         if spec.kind == "linear" and len(spec.hf_names) == 1 and name.endswith(".weight") \
                 and spec.path[-1] not in ("router", "lm_head"):
-            out[name[:-len(".weight")]] = spec.path
+            out[name[:-len(".weight")]] = ".".join(map(str, spec.path))
     return out
 
 

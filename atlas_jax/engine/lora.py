@@ -1,0 +1,210 @@
+"""Multi-LoRA serving on the host: which adapters exist, which are in host memory, which device slot
+holds which, and who is using it.
+
+Device slots 1..max_loras hold resident adapters (slot 0 = the base model, always zeros); the pool
+itself lives in the engine state (runner.py), so promoting an adapter is one compiled data update.
+A running sequence holds a reference on its adapter's slot from admission to its end or
+preemption (`acquire` / `release`). An adapter that is not resident is promoted into an empty slot,
+else into the least recently used idle one; when every slot is busy `acquire` returns None and the
+scheduler leaves the request waiting — a busy slot is never evicted.
+
+Adapters are registered by name (LoRARequest, the server's --lora-modules, /v1/load_lora_adapter),
+read from disk on first use and kept in an LRU host cache of max_cpu_loras adapters. Each
+registration gets a fresh `uid`, the sequence's prefix-cache key: KV computed under one adapter is
+never reused under another, nor under the same name re-registered from other files.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import threading
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..layers.lora import param_at
+from ..weights.lora import LoRAAdapter, LoRAError, adaptable, load_peft_adapter
+from .errors import InvalidRequestError
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's LoRARequest: a name, a positive integer id, and the adapter's directory (PEFT format)."""
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+    def __post_init__(self):
+        if not isinstance(self.lora_name, str) or not self.lora_name:
+            raise ValueError("LoRARequest.lora_name must be a non-empty string")
+        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got {self.lora_int_id!r}")
+
+    name = property(lambda self: self.lora_name)
+    adapter_id = property(lambda self: self.lora_int_id)
+    path = property(lambda self: self.lora_path)
+
+
+class UnknownAdapterError(InvalidRequestError):
+    """A request names an adapter that is not registered (HTTP 404)."""
+
+
+@dataclasses.dataclass
+class _Registered:
+    request: LoRARequest
+    uid: int                           # prefix-cache key of sequences under this registration
+    in_use: int = 0                    # requests in the engine that name it
+
+
+class LoRAManager:
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None, load_slot):
+        """load_slot(slot, weights {param path: (A [in, R], B [R, out])}): the device update (runner)."""
+        if max_loras < 1 or max_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras}, {max_rank}")
+        self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        if max_cpu_loras is not None and max_cpu_loras < max_loras:
+            raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self._load_slot = load_slot
+        self._lock = threading.Lock()                  # registry and host cache: request threads read them
+        self._registry: dict[str, _Registered] = {}
+        self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()   # uid -> weights, LRU
+        self._uids = itertools.count(1)
+        self._tick = itertools.count()
+        n = max_loras + 1                              # slot 0 = the base model
+        self.slot_uid = [0] + [None] * max_loras       # which registration each slot holds
+        self.refcount = [0] * n
+        self.last_used = [0] * n
+        self.num_promotions = 0
+
+    # ---- registry (any thread) -------------------------------------------------------------
+    def register(self, req: LoRARequest) -> int:
+        """Register (or look up) an adapter by name, reading it now so that a bad adapter is refused here
+        (LoRAError) rather than when a request reaches the device. Returns its uid."""
+        with self._lock:
+            known = self._registry.get(req.lora_name)
+            if known is not None and (not req.lora_path or known.request.lora_path == req.lora_path):
+                return known.uid
+            if known is not None and known.in_use:
+                raise LoRAError(f"adapter {req.lora_name!r} is in use; it cannot be re-registered from "
+                                f"{req.lora_path!r} until its requests finish")
+            if not req.lora_path:
+                raise UnknownAdapterError(f"adapter {req.lora_name!r} is not loaded", "model")
+        adapter = self._read(req)
+        with self._lock:
+            if known is not None:
+                self._forget(known)
+            entry = self._registry[req.lora_name] = _Registered(req, next(self._uids))
+            self._cache(entry.uid, adapter)
+            return entry.uid
+
+    def unregister(self, name: str) -> None:
+        """Forget an adapter. Refused while a request in the engine uses it."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is None:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded", "lora_name")
+            if entry.in_use:
+                raise LoRAError(f"adapter {name!r} is in use by {entry.in_use} request(s); unload it when they end")
+            self._forget(entry)
+            del self._registry[name]
+
+    def names(self) -> list[LoRARequest]:
+        with self._lock:
+            return [e.request for e in self._registry.values()]
+
+    def lookup(self, req: LoRARequest | str) -> tuple[str, int]:
+        """(name, uid) of the adapter a request names, registering it when it comes with a path; every
+        refusal is an InvalidRequestError (UnknownAdapterError for a name never registered)."""
+        if isinstance(req, str):
+            req = LoRARequest(req, 1)
+        if not isinstance(req, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(req).__name__}", "lora_request")
+        try:
+            return req.lora_name, self.register(req)
+        except InvalidRequestError:
+            raise
+        except LoRAError as e:
+            raise InvalidRequestError(str(e), "lora_request") from None
+
+    def use(self, name: str, uid: int) -> None:
+        """One more queued request under registration (name, uid) until `done(name)`; refused when the
+        name was unloaded or re-registered since `lookup`."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is None or entry.uid != uid:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
+            entry.in_use += 1
+
+    def done(self, name: str) -> None:
+        """A request under `name` ended (finished, aborted, failed)."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is not None:
+                entry.in_use -= 1
+
+    # ---- device slots (engine thread) ------------------------------------------------------
+    def acquire(self, uid: int) -> int | None:
+        """A slot holding registration `uid`, with one more reference; None while every slot is busy."""
+        if uid == 0:
+            return 0
+        slot = next((s for s in range(1, self.max_loras + 1) if self.slot_uid[s] == uid), None)
+        if slot is None:
+            free = [s for s in range(1, self.max_loras + 1) if self.refcount[s] == 0]
+            if not free:
+                return None
+            slot = min(free, key=lambda s: (self.slot_uid[s] is not None, self.last_used[s]))   # empty, else LRU
+            self._load_slot(slot, self._weights(uid))
+            self.slot_uid[slot] = uid
+            self.num_promotions += 1
+        self.refcount[slot] += 1
+        self.last_used[slot] = next(self._tick)
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot == 0:
+            return
+        if self.refcount[slot] <= 0:
+            raise ValueError(f"adapter slot {slot} released but not held")
+        self.refcount[slot] -= 1
+
+    def resident(self) -> dict[int, str | None]:
+        """slot -> adapter name (None: empty) for slots 1..max_loras."""
+        with self._lock:
+            by_uid = {e.uid: n for n, e in self._registry.items()}
+        return {s: by_uid.get(self.slot_uid[s]) for s in range(1, self.max_loras + 1)}
+
+    # ---- host cache --------------------------------------------------------------------------
+    def _read(self, req: LoRARequest) -> LoRAAdapter:
+        return load_peft_adapter(req.lora_path, self.cfg, self.max_rank, req.lora_name)
+
+    def _cache(self, uid: int, adapter: LoRAAdapter) -> None:
+        self._host[uid] = adapter
+        self._host.move_to_end(uid)
+        while len(self._host) > self.max_cpu_loras:
+            self._host.popitem(last=False)
+
+    def _weights(self, uid: int) -> dict:
+        """The full pool update for one slot: every adaptable projection, zeros where the adapter has none."""
+        with self._lock:
+            adapter = self._host.get(uid)
+            entry = next(e for e in self._registry.values() if e.uid == uid)
+        if adapter is None:                            # dropped from the host cache: read it again
+            adapter = self._read(entry.request)
+            with self._lock:
+                self._cache(uid, adapter)
+        with self._lock:
+            self._host.move_to_end(uid)
+        return adapter.weights
+
+    def _forget(self, entry: _Registered) -> None:
+        self._host.pop(entry.uid, None)
+        for s in range(1, self.max_loras + 1):
+            if self.slot_uid[s] == entry.uid and self.refcount[s] == 0:
+                self.slot_uid[s] = None
+
+
+def pool_shapes(cfg: ModelConfig, params) -> dict[str, tuple[int, int]]:
+    """'dotted.param.path' -> (in, out) of every adaptable projection these params hold."""
+    return {key: tuple(np.shape(param_at(params, key))) for key in adaptable(cfg).values()}
