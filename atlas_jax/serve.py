@@ -41,16 +41,45 @@ def parse_args(argv=None):
                     "larger ones are refused with 413 while being read")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight may take to "
                     "finish after SIGTERM / SIGINT before they are ended with an error (default 30)")
+    ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                    help="LoRA adapters (PEFT directories) served from the start, each chosen by a request's "
+                         "'model' field: name=path, or a JSON object {\"name\": ..., \"path\": ...} (needs --enable-lora)")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
+
+
+def parse_lora_modules(specs: list[str]) -> list:
+    """--lora-modules entries -> LoRARequests (ids 1, 2, ... in order); ValueError names a bad entry."""
+    import json
+
+    from .engine.lora import LoRARequest
+    out = []
+    for spec in specs:
+        if spec.lstrip().startswith("{"):
+            try:
+                obj = json.loads(spec)
+                name, path = obj["name"], obj["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {spec!r} is not a JSON object with 'name' and 'path'") from None
+        else:
+            name, sep, path = spec.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: {spec!r} is not NAME=PATH")
+        if any(r.lora_name == name for r in out):
+            raise ValueError(f"--lora-modules: adapter name {name!r} is given twice")
+        out.append(LoRARequest(name, len(out) + 1, path))
+    return out
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     try:
         engine_args = EngineArgs.from_cli(args)
+        lora_modules = parse_lora_modules(args.lora_modules)
     except ValueError as e:
         raise SystemExit(str(e)) from None
+    if lora_modules and not engine_args.enable_lora:
+        raise SystemExit("--lora-modules needs --enable-lora")
     import uvicorn
 
     from .engine.async_llm import AsyncLLM
@@ -61,6 +90,12 @@ def main(argv=None) -> None:
     if args.kv_cache_memory is not None and engine_args.num_pages is None:
         engine_args.num_pages = _pages_for_memory(args)
     llm = LLM.from_engine_args(engine_args, warmup=False)
+    from .weights.lora import LoRAError
+    for req in lora_modules:
+        try:
+            llm.add_lora(req)
+        except LoRAError as e:
+            raise SystemExit(f"--lora-modules {req.lora_name}={req.lora_path}: {e}") from None
     engine = AsyncLLM.from_llm(llm, warmup=True)       # compiles in the engine thread; /health is 503 until done
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,

@@ -196,3 +196,102 @@ def test_qwen3_next_adapters_on_gdn_and_shared_expert_match_hf(ckpt_dir, tmp_pat
         assert out.outputs[0].token_ids == ref, name
         if name is not None:
             assert ref != hf_models.hf_greedy(base, p, NEW)
+
+
+@pytest.fixture(scope="module")
+def lora_server(qwen3_lora):
+    """The app in-process on the LoRA engine, driven by the official openai client (its httpx client is the
+    app's TestClient)."""
+    import openai
+    from fastapi.testclient import TestClient
+
+    from atlas_jax.engine.async_llm import AsyncLLM
+    from atlas_jax.server.app import build_app
+    llm, reqs, _, _ = qwen3_lora
+    for r in reqs.values():
+        llm.add_lora(r)
+    engine = AsyncLLM.from_llm(llm)
+    try:
+        with TestClient(build_app(engine, served_model_name="tiny")) as http:
+            yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
+    finally:
+        engine.shutdown()
+
+
+def test_server_chooses_the_adapter_by_model(qwen3_lora, lora_server):
+    import openai
+    _, _, prompts, refs = qwen3_lora
+    http, client = lora_server
+    models = {m.id: m for m in client.models.list().data}
+    assert set(models) >= {"tiny", "a", "b", "c"} and models["b"].parent == "tiny"
+    for model, name in (("tiny", None), ("a", "a"), ("c", "c")):
+        out = client.completions.create(model=model, prompt=prompts[2], max_tokens=NEW, temperature=0.0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        assert out.model == model and out.choices[0].token_ids == refs[name][2]
+    stream = client.completions.create(model="b", prompt=prompts[0], max_tokens=NEW, temperature=0.0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert [t for chunk in stream for t in chunk.choices[0].token_ids] == refs["b"][0]
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=prompts[0], max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+
+
+def test_server_loads_and_unloads_adapters(qwen3_lora, lora_server):
+    _, reqs, prompts, refs = qwen3_lora
+    http, client = lora_server
+    r = http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": reqs["c"].lora_path})
+    assert r.status_code == 200, r.text
+    assert "d" in [m.id for m in client.models.list().data]
+    out = client.completions.create(model="d", prompt=prompts[1], max_tokens=NEW, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert out.choices[0].token_ids == refs["c"][1]
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": "/x"}).status_code == 400
+    bad = http.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": "/nonexistent"})
+    assert bad.status_code == 400 and "adapter_config.json" in bad.json()["error"]["message"]
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 200
+    assert http.post("/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 404
+    assert http.post("/v1/completions", json={"model": "d", "prompt": prompts[1], "max_tokens": 2}).status_code == 404
+    assert http.post("/v1/load_lora_adapter", json={"lora_name": "d"}).status_code == 400      # no path
+
+
+def test_server_refuses_to_unload_an_adapter_in_use(qwen3_lora, lora_server):
+    """Unloading an adapter while a request streams under it is refused (409); the request finishes intact."""
+    import threading
+    llm, reqs, prompts, refs = qwen3_lora
+    http, client = lora_server
+    status, started, release = [], threading.Event(), threading.Event()
+    real_step = llm.engine.step
+
+    def slow_step():
+        started.set()
+        release.wait(10)
+        return real_step()
+    llm.engine.step = slow_step
+    try:
+        def unload():
+            started.wait(10)
+            status.append(http.post("/v1/unload_lora_adapter", json={"lora_name": "b"}).status_code)
+            release.set()
+        t = threading.Thread(target=unload)
+        t.start()
+        out = client.completions.create(model="b", prompt=prompts[2], max_tokens=NEW, temperature=0.0,
+                                        extra_body={"ignore_eos": True, "return_token_ids": True})
+        t.join()
+    finally:
+        llm.engine.step = real_step
+    assert status == [409] and out.choices[0].token_ids == refs["b"][2]
+
+
+def test_serve_cli_lora_modules(ckpt_dir):
+    from atlas_jax.serve import main, parse_lora_modules
+    reqs = parse_lora_modules(["a=/x/y", '{"name": "b", "path": "/z"}'])
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in reqs] == [("a", 1, "/x/y"), ("b", 2, "/z")]
+    for bad in (["a"], ["a=/x", "a=/y"], ['{"name": "b"}']):
+        with pytest.raises(ValueError, match="--lora-modules"):
+            parse_lora_modules(bad)
+    path, _ = ckpt_dir("qwen3_lora_engine", hf_models.make_qwen3)
+    with pytest.raises(SystemExit, match="needs --enable-lora"):
+        main(["--model", path, "--lora-modules", "a=/x"])
+    with pytest.raises(SystemExit, match="a=/nonexistent: no adapter_config.json"):
+        main(["--model", path, "--enable-lora", "--lora-modules", "a=/nonexistent", "--dtype", "float32",
+              "--compile-cache-dir", ""])

@@ -89,17 +89,19 @@ class AsyncLLM:
         """Requests added and not yet finished (their streams are open)."""
         return len(self._streams)
 
-    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
+    def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
+                    lora_request=None) -> tuple[Request, asyncio.Queue]:
         """Validate (InvalidRequestError, a ValueError) and queue a request on the caller's thread;
-        returns it and its output queue. Servers use `add_request_async` (validation off the loop)."""
+        returns it and its output queue. Servers use `add_request_async` (validation off the loop).
+        lora_request: a LoRARequest, a registered adapter's name, or None (the base model)."""
         self._check_accepting()
-        return self._enqueue(self.engine.make_request(prompt, params, request_id))
+        return self._enqueue(self.engine.make_request(prompt, params, request_id, lora_request))
 
-    async def add_request_async(self, prompt, params: SamplingParams,
-                                request_id: str | None = None) -> tuple[Request, asyncio.Queue]:
+    async def add_request_async(self, prompt, params: SamplingParams, request_id: str | None = None,
+                                lora_request=None) -> tuple[Request, asyncio.Queue]:
         """add_request with validation and tokenization on the worker pool."""
         self._check_accepting()
-        req = await self.offload(self.engine.make_request, prompt, params, request_id)
+        req = await self.offload(self.engine.make_request, prompt, params, request_id, lora_request)
         self._check_accepting()
         return self._enqueue(req)
 
@@ -128,8 +130,9 @@ class AsyncLLM:
         self._commands.put(("add", req))
         return req, stream
 
-    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        req, stream = await self.add_request_async(prompt, params, request_id)
+    async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
+        req, stream = await self.add_request_async(prompt, params, request_id, lora_request)
         finished = False
         try:
             while True:

@@ -67,7 +67,7 @@ class LoRAManager:
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self._load_slot = load_slot
-        self._lock = threading.Lock()                  # registry and host cache: request threads read them
+        self._lock = threading.RLock()                 # registry, host cache, slot table: request threads use them
         self._registry: dict[str, _Registered] = {}
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()   # uid -> weights, LRU
         self._uids = itertools.count(1)
@@ -110,6 +110,10 @@ class LoRAManager:
             self._forget(entry)
             del self._registry[name]
 
+    def next_int_id(self) -> int:
+        with self._lock:
+            return 1 + max((e.request.lora_int_id for e in self._registry.values()), default=0)
+
     def names(self) -> list[LoRARequest]:
         with self._lock:
             return [e.request for e in self._registry.values()]
@@ -149,25 +153,27 @@ class LoRAManager:
         """A slot holding registration `uid`, with one more reference; None while every slot is busy."""
         if uid == 0:
             return 0
-        slot = next((s for s in range(1, self.max_loras + 1) if self.slot_uid[s] == uid), None)
-        if slot is None:
-            free = [s for s in range(1, self.max_loras + 1) if self.refcount[s] == 0]
-            if not free:
-                return None
-            slot = min(free, key=lambda s: (self.slot_uid[s] is not None, self.last_used[s]))   # empty, else LRU
-            self._load_slot(slot, self._weights(uid))
-            self.slot_uid[slot] = uid
-            self.num_promotions += 1
-        self.refcount[slot] += 1
-        self.last_used[slot] = next(self._tick)
-        return slot
+        with self._lock:
+            slot = next((s for s in range(1, self.max_loras + 1) if self.slot_uid[s] == uid), None)
+            if slot is None:
+                free = [s for s in range(1, self.max_loras + 1) if self.refcount[s] == 0]
+                if not free:
+                    return None
+                slot = min(free, key=lambda s: (self.slot_uid[s] is not None, self.last_used[s]))  # empty, else LRU
+                self._load_slot(slot, self._weights(uid))
+                self.slot_uid[slot] = uid
+                self.num_promotions += 1
+            self.refcount[slot] += 1
+            self.last_used[slot] = next(self._tick)
+            return slot
 
     def release(self, slot: int) -> None:
         if slot == 0:
             return
-        if self.refcount[slot] <= 0:
-            raise ValueError(f"adapter slot {slot} released but not held")
-        self.refcount[slot] -= 1
+        with self._lock:
+            if self.refcount[slot] <= 0:
+                raise ValueError(f"adapter slot {slot} released but not held")
+            self.refcount[slot] -= 1
 
     def resident(self) -> dict[int, str | None]:
         """slot -> adapter name (None: empty) for slots 1..max_loras."""

@@ -13,17 +13,19 @@ import time
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ..engine.errors import InvalidRequestError
+from ..engine.lora import LoRARequest, UnknownAdapterError
+from ..weights.lora import LoRAError
 from . import serving_chat, serving_completions
 from .chat import ChatTemplate
 from .guard import JSON, APIError, Guard, error_response, error_type, read_json
 from .metrics import Metrics, path_label
 from .parsers import resolve_reasoning_parser, resolve_tool_parser
-from .protocol import DetokenizeRequest, TokenizeRequest
+from .protocol import DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest
 from .streams import ServerContext
 
 
@@ -89,8 +91,41 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": ctx.model_name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "atlas_jax", "max_model_len": engine.engine.max_model_len}]}
+        now, max_len = int(time.time()), engine.engine.max_model_len
+        data = [{"id": ctx.model_name, "object": "model", "created": now, "owned_by": "atlas_jax",
+                 "root": ctx.model_name, "parent": None, "max_model_len": max_len}]
+        for r in ctx.loras.names() if ctx.loras is not None else ():
+            data.append({"id": r.lora_name, "object": "model", "created": now, "owned_by": "atlas_jax",
+                         "root": r.lora_path, "parent": ctx.model_name, "max_model_len": max_len})
+        return {"object": "list", "data": data}
+
+    def need_loras():
+        if ctx.loras is None:
+            raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)")
+        return ctx.loras
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        body = await read_json(request, LoadLoRAAdapterRequest, engine.offload)
+        loras = need_loras()
+        if body.lora_name == ctx.model_name or any(r.lora_name == body.lora_name for r in loras.names()):
+            raise APIError(400, f"the LoRA adapter {body.lora_name!r} has already been loaded", param="lora_name")
+        try:
+            await engine.offload(loras.register, LoRARequest(body.lora_name, loras.next_int_id(), body.lora_path))
+        except LoRAError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        body = await read_json(request, UnloadLoRAAdapterRequest, engine.offload)
+        try:
+            need_loras().unregister(body.lora_name)
+        except UnknownAdapterError as e:
+            raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
+        except LoRAError as e:                  # in use: refused, the requests running under it are untouched
+            raise APIError(409, str(e), param="lora_name") from None
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def need_tokenizer():
         if ctx.tokenizer is None:

@@ -54,6 +54,7 @@ class _Sampling(BaseModel):
     allowed_token_ids: list[int] | None = None
     truncate_prompt_tokens: int | None = None
     prompt_logprobs: int | None = None
+    return_token_ids: bool = False                 # completions: each choice's "token_ids" (vLLM)
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -202,3 +203,15 @@ class DetokenizeRequest(BaseModel):
     model_config = STRICT
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's POST /v1/load_lora_adapter body."""
+    model_config = STRICT
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = STRICT
+    lora_name: str = Field(min_length=1)

@@ -33,7 +33,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await ctx.admit(request, ChatCompletionRequest)
+        body, lora = await ctx.admit(request, ChatCompletionRequest)
         top = (body.top_logprobs or 0) if body.logprobs else None
         cap = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         params = body.sampling_params(cap, top)
@@ -54,8 +54,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         def keep(calls):
             return calls if body.parallel_tool_calls else calls[:1]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
-        head = {"id": rid, "created": int(time.time()), "model": ctx.model_name}
-        items = await ctx.started([prompt], params, rid)
+        head = {"id": rid, "created": int(time.time()), "model": lora or ctx.model_name}
+        items = await ctx.started([prompt], params, rid, lora)
 
         def tok(t):
             s = ctx.token_text(t)

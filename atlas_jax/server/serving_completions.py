@@ -19,7 +19,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await ctx.admit(request, CompletionRequest)
+        body, lora = await ctx.admit(request, CompletionRequest)
         prompts = body.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -30,8 +30,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"             # x-request-id stays a header: clients may repeat it
         created, n = int(time.time()), body.n
-        items = await ctx.started(prompts, params, rid)
-        head = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+        items = await ctx.started(prompts, params, rid, lora)
+        head = {"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name}
 
         def choice_logprobs(token_ids, lps):
             if lps is None:
@@ -53,6 +53,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                         choice = {"index": i * n + c.index, "text": c.text,
                                   "logprobs": choice_logprobs(c.token_ids, c.logprobs),
                                   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                        if body.return_token_ids:
+                            choice["token_ids"] = list(c.token_ids)
                         if out.prompt_logprobs is not None and (i, c.index) not in sent_prompt:
                             choice["prompt_logprobs"] = ctx.prompt_logprobs(out.prompt_logprobs)
                             sent_prompt.add((i, c.index))
@@ -70,6 +72,8 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
                 if ch.prompt_logprobs is not None:
                     out["prompt_logprobs"] = ch.prompt_logprobs
+                if body.return_token_ids:
+                    out["token_ids"] = ch.token_ids
                 return out
             completion = sum(len(ch.token_ids) for ch in choices.values())
             return {**head, "choices": [one(k, ch) for k, ch in choices.items()],

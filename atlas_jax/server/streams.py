@@ -11,7 +11,8 @@ import logging
 import time
 
 from ..engine.async_llm import FINISHED
-from ..engine.errors import EngineDeadError, InvalidRequestError
+from ..engine.errors import EngineDeadError
+from ..engine.lora import UnknownAdapterError
 from .guard import APIError, error_body, read_json
 
 log = logging.getLogger("atlas_jax.server")
@@ -45,10 +46,20 @@ class ServerContext:
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def check_model(self, model) -> None:
-        if model not in (None, self.model_name):
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+    @property
+    def loras(self):
+        """The engine's LoRAManager (engine/lora.py), or None when it serves no adapters."""
+        return getattr(getattr(self.engine, "engine", None), "lora", None)
+
+    def check_model(self, model) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
+        if model in (None, self.model_name):
+            return None
+        if self.loras is not None and any(r.lora_name == model for r in self.loras.names()):
+            return model
+        raise APIError(404, f"model {model!r} does not exist; this server serves {self.model_name!r}"
+                       + (" and its LoRA adapters" if self.loras is not None else ""),
+                       param="model", code="model_not_found")
 
     def check_capacity(self) -> None:
         e = self.engine
@@ -63,11 +74,12 @@ class ServerContext:
             raise APIError(503, "server is at capacity; retry later", "service_unavailable", headers={"Retry-After": "1"})
 
     async def admit(self, request, body_cls):
-        """A generating request's body, parsed strictly, for this model, with room to run it."""
+        """A generating request's (body, LoRA adapter name or None): parsed strictly, for this model or one
+        of its adapters, with room to run it."""
         body = await read_json(request, body_cls, self.engine.offload)
-        self.check_model(body.model)
+        lora = self.check_model(body.model)
         self.check_capacity()
-        return body
+        return body, lora
 
     def prompt_logprobs(self, entries) -> list | None:
         """vLLM's JSON form: None for the first token, then {"token id": {"logprob", "decoded_token"}}."""
@@ -81,17 +93,15 @@ class ServerContext:
         return tok.decode([t], skip_special_tokens=False) if tok else str(t)
 
     # ---- streams of outputs ------------------------------------------------------------------
-    async def outputs(self, prompt, params, rid):
+    async def outputs(self, prompt, params, rid, lora=None):
         """Delta RequestOutputs of one request, ending with a finished one; aborts on exit or timeout."""
         engine = self.engine
         try:
-            _, stream = await engine.add_request_async(prompt, params, rid)
+            _, stream = await engine.add_request_async(prompt, params, rid, lora)
         except EngineDeadError as e:
             raise APIError(503, str(e), "service_unavailable", headers={"Retry-After": "5"}) from None
-        except InvalidRequestError as e:
-            raise APIError(400, str(e), param=e.param) from None
         except ValueError as e:
-            raise APIError(400, str(e)) from None
+            raise refusal(e) from None
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         done = False
         try:
@@ -108,6 +118,8 @@ class ServerContext:
                     return
                 if isinstance(item, BaseException):
                     done = True
+                    if isinstance(item, ValueError):               # refused when the engine thread queued it
+                        raise refusal(item)
                     if isinstance(item, EngineDeadError):
                         raise APIError(503, f"request failed: {item}", "service_unavailable", headers={"Retry-After": "5"})
                     raise APIError(500, f"request failed: {item}", "internal_server_error")
@@ -116,13 +128,13 @@ class ServerContext:
             if not done:
                 engine.abort_nowait(rid)
 
-    async def merged(self, prompts, params, base_id):
+    async def merged(self, prompts, params, base_id, lora=None):
         """(prompt index, delta output) across all prompts of a request, as they come."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i, prompt):
             try:
-                async for out in self.outputs(prompt, params, f"{base_id}-{i}"):
+                async for out in self.outputs(prompt, params, f"{base_id}-{i}", lora):
                     await queue.put((i, out))
             except BaseException as e:      # noqa: BLE001 — handed to the consumer
                 await queue.put((i, e))
@@ -143,10 +155,10 @@ class ServerContext:
             for t in tasks:
                 t.cancel()
 
-    async def started(self, prompts, params, base_id):
+    async def started(self, prompts, params, base_id, lora=None):
         """`merged`, already run to its first item, so that a refused request becomes an HTTP error
         status rather than an error inside a 200 stream. Items pass through the metrics."""
-        gen = self.merged(prompts, params, base_id)
+        gen = self.merged(prompts, params, base_id, lora)
         try:
             first = await gen.__anext__()
         except StopAsyncIteration:
@@ -212,6 +224,13 @@ class ServerContext:
                 if c.finished:
                     ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         return dict(sorted(choices.items())), list(prompt_tokens.values())
+
+
+def refusal(e: ValueError) -> APIError:
+    """A request the engine refused: 404 for an adapter that is not loaded, else 400."""
+    if isinstance(e, UnknownAdapterError):
+        return APIError(404, str(e), param="model", code="model_not_found")
+    return APIError(400, str(e), param=getattr(e, "param", None))
 
 
 def sse(obj) -> str:
