@@ -5,6 +5,7 @@
     python scripts/bench.py --make qwen3-next-12l | nemotron-h-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
     python scripts/bench.py --code-prompts --speculative mtp   # the shipped atlas-tiny on real code
+    python scripts/bench.py --make qwen3-next-12l --batch 8 --lora 16   # + decode with 0, 1, 4 LoRA adapters
 With no checkpoint it measures the shipped default model. Prompts are random token ids, or with
 --code-prompts windows of the standard library's held-out files (a trained model's drafts only get
 accepted on text like its training data).
@@ -96,6 +97,9 @@ def main():
     ap.add_argument("--code-prompts", action="store_true", help="prompts cut from the standard library's "
                     "held-out files (scripts/train_tiny.py's split) instead of random token ids")
     ap.add_argument("--kernels", default="auto", help="auto (Pallas on GPU), xla, pallas")
+    ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="also measure an engine serving LoRA "
+                    "(4 slots of this rank, random adapters on every adaptable projection): decode tokens/s with "
+                    "0, 1 and 4 distinct adapters in the batch, beside the engine without LoRA")
     args = ap.parse_args()
     ckpt = args.ckpt
     if args.make:
@@ -126,6 +130,8 @@ def main():
         return out[len(seq.output_ids):len(seq.output_ids) + k]
     method = {"method": "scripted", "propose": oracle} if args.speculative == "oracle" else {"method": args.speculative}
     spec = LLM(ckpt, speculative={**method, "num_drafts": args.num_drafts}, **engine) if args.speculative else None
+    lora = LLM(ckpt, enable_lora=True, max_loras=4, max_lora_rank=args.lora, **engine) if args.lora else None
+    adapters = random_adapters(lora, args.lora, 4) if lora else None
     code = code_prompts(llm.tokenizer, args.prompt, max(batches)) if args.code_prompts else None
     for b in batches:
         prompts = code[:b] if code else [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)]
@@ -147,6 +153,8 @@ def main():
         if spec is not None:
             truth.update({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, full))})
             row.update(_spec_throughput(spec, llm, prompts, full, first, steps))
+        if lora is not None:
+            row.update(_lora_throughput(lora, adapters, prompts, full, first, steps, row["decode_tokens_per_s"]))
         if hf is not None:
             hf_prefill, hf_decode = _hf_throughput(hf, prompts, args.new)
             row.update(hf_prefill_tokens_per_s=round(hf_prefill, 1), hf_decode_tokens_per_s=round(hf_decode, 1),
@@ -192,6 +200,43 @@ def _spec_throughput(spec, plain, prompts, full, first, steps) -> dict:
             "spec_acceptance_rate": round(accepted / drafted, 3) if drafted else None,
             "spec_tokens_per_target_step": round(stats["tokens_per_target_step"] or 0, 3),
             "spec_outputs_identical": same, "spec_compiles_after_warmup": spec.num_compiles - compiles}
+
+
+def random_adapters(llm, rank: int, count: int) -> list:
+    """`count` random PEFT adapters (every adaptable projection, rank `rank`) written under /tmp."""
+    from safetensors.numpy import save_file
+
+    from atlas_jax import LoRARequest
+    from atlas_jax.layers.lora import param_at
+    from atlas_jax.weights.lora import adaptable
+    rng, out = np.random.default_rng(1), []
+    for i in range(count):
+        path = f"/tmp/atlas_jax_bench_lora_{i}"
+        os.makedirs(path, exist_ok=True)
+        tensors = {}
+        for module, key in adaptable(llm.cfg).items():
+            d_in, d_out = param_at(llm.params, key).shape
+            tensors[f"base_model.model.{module}.lora_A.weight"] = rng.standard_normal((rank, d_in), np.float32) * 0.01
+            tensors[f"base_model.model.{module}.lora_B.weight"] = rng.standard_normal((d_out, rank), np.float32) * 0.01
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w") as f:
+            json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": rank, "target_modules": "all-linear"}, f)
+        out.append(LoRARequest(f"bench-{i}", i + 1, path))
+    return out
+
+
+def _lora_throughput(lora, adapters, prompts, full, first, steps, plain_rate) -> dict:
+    """Decode tokens/s of the LoRA engine with 0, 1 and 4 distinct adapters over the batch's rows."""
+    compiles, row = lora.num_compiles, {}
+    for k in (0, 1, 4):
+        reqs = [adapters[i % k] if k else None for i in range(len(prompts))]
+        t_prefill = min(_timed(lambda: lora.generate(prompts, first, lora_request=reqs)) for _ in range(2))
+        t_total = min(_timed(lambda: lora.generate(prompts, full, lora_request=reqs)) for _ in range(2))
+        rate = len(prompts) * steps / (t_total - t_prefill)
+        row[f"lora_{k}_adapters_decode_tokens_per_s"] = round(rate, 1)
+        row[f"lora_{k}_adapters_vs_no_lora_engine"] = round(rate / plain_rate, 3)
+    row["lora_compiles_after_warmup"] = lora.num_compiles - compiles
+    return row
 
 
 def _load_hf(ckpt: str, dtype):
