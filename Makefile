@@ -30,9 +30,9 @@ generate: $(VENV)/.run-deps
 
 # Two processes: native crashes inside XLA (compile / serialize) were seen only late in one long process
 # holding hundreds of executables; splitting bounds that (session fixtures are built once per half).
+# scripts/run_tests.sh repeats a native fault's report at the end of the output.
 test: $(VENV)/.test-deps
-	$(PY) -m pytest -q tests/test_[a-l]*.py
-	$(PY) -m pytest -q tests/test_[m-z]*.py
+	PY=$(PY) scripts/run_tests.sh
 
 clean:
 	rm -rf $(VENV)

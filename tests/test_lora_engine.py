@@ -104,6 +104,8 @@ def test_victim_policy_never_evicts_a_busy_slot(qwen3_lora):
         assert out.outputs[0].token_ids == refs[name][i], (name, i)
     assert len(loads) >= 3 and all(held == 0 for _, held in loads)      # evictions happened, none of a busy slot
     assert manager.refcount == [0, 0, 0]
+    stats = llm.engine.stats()["lora"]
+    assert stats["refcounts"] == [0, 0] and stats["num_promotions"] >= len(loads)
     assert llm.num_compiles == compiles
 
 

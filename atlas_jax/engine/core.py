@@ -472,7 +472,14 @@ class EngineCore:
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
                 "num_compiles": self.num_compiles, "num_steps": self.num_steps,
                 "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
-                "prefix_cache": self.prefix_cache_stats()}
+                "prefix_cache": self.prefix_cache_stats(), "lora": self.lora_stats()}
+
+    def lora_stats(self) -> dict | None:
+        """Adapter slots (slot -> resident adapter name), their reference counts, promotions; None without LoRA."""
+        if self.lora is None:
+            return None
+        return {"slots": self.lora.resident(), "refcounts": self.lora.refcount[1:],
+                "num_promotions": self.lora.num_promotions, "adapters": [r.lora_name for r in self.lora.names()]}
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (idle pages back to the free list, snapshots dropped)."""
