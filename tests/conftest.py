@@ -1,15 +1,25 @@
+import atexit
 import contextlib
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Engines here never write JAX's persistent compile cache (one process compiles hundreds of executables;
-# serialising them all cost time and, twice in a full run, crashed inside XLA's serializer);
-# test_scheduler checks the cache in a subprocess of its own.
-os.environ["ATLAS_JAX_DISABLE_COMPILE_CACHE"] = "1"
+# One persistent XLA compile cache per test process, in a fresh directory: the suite builds many engines of
+# the same shapes (and the server tests a process of the default engine's shape), and a cache hit replaces a
+# compile — without it the suite takes about three times as long. Nothing outlives the run.
+_CACHE_HOME = tempfile.mkdtemp(prefix="atlas_jax_tests_")
+atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+os.environ["ATLAS_JAX_HOME"] = _CACHE_HOME
+os.environ.pop("ATLAS_JAX_DISABLE_COMPILE_CACHE", None)
 sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models (the torch oracle) by name
+
+from atlas_jax.engine.llm import default_compile_cache_dir, enable_compile_cache  # noqa: E402
+
+enable_compile_cache(default_compile_cache_dir())      # for every engine, compile_cache_dir="" ones included
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -184,8 +184,8 @@ def test_request_that_can_never_fit_is_refused(llm):
 
 
 def test_warmup_fills_the_persistent_compile_cache(tiny_model_path, tmp_path):
-    """In a fresh process (the suite's engines run without the cache): warm-up writes every compiled
-    step to $ATLAS_JAX_HOME/xla_cache, and a second process loads them instead of compiling."""
+    """In a fresh process with an empty $ATLAS_JAX_HOME: warm-up writes every compiled step to
+    $ATLAS_JAX_HOME/xla_cache, and a second process loads them instead of compiling."""
     import json
     import os
     import subprocess

@@ -121,7 +121,8 @@ class Scheduler:
             self.slots.free([seq.slot])
             seq.slot = None
         if seq.adapter_slot is not None:
-            self.adapters.release(seq.adapter_slot)
+            if self.adapters is not None:
+                self.adapters.release(seq.adapter_slot)
             seq.adapter_slot = None
 
     def _take_adapter(self, seq: Sequence) -> bool:
