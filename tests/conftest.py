@@ -107,3 +107,12 @@ def serving(app):
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """A module's SLOW_IDS (test id prefixes) mark those parametrized cases slow: the default run keeps a
+    representative subset of a matrix, `-m slow` runs the rest."""
+    for item in items:
+        if any(item.name.startswith(p) for p in getattr(item.module, "SLOW_IDS", ())):
+            item.add_marker(pytest.mark.slow)

@@ -38,8 +38,9 @@ def xla_engines(ckpt_dir):
     return get
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h",
-                                    pytest.param("qwen3", marks=pytest.mark.slow)])  # the hybrids have attention too
+# the hybrids have attention too; Nemotron-H's Mamba2 runs the same GDN kernels (delta_rule=False: test_pallas_gdn)
+@pytest.mark.parametrize("family", ["qwen3_next", pytest.param("nemotron_h", marks=pytest.mark.slow),
+                                    pytest.param("qwen3", marks=pytest.mark.slow)])
 def test_pallas_tokens_equal_xla(ckpt_dir, xla_engines, family):
     path = _checkpoint(ckpt_dir, family)
     prompts = random_prompts(256, LENGTHS, seed=3)

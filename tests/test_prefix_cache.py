@@ -16,6 +16,13 @@ from prefix_scenarios import GREEDY, ints, multiturn, on_and_off, seeded
 from atlas_jax import SamplingParams
 from atlas_jax.engine.speculative import NgramProposer, ScriptedProposer, SelfProposer
 
+# The default run: every drafter on Qwen3-Next, greedy; seeded sampling with no drafter; each other family
+# with no drafter and its own drafter, greedy. The rest of the matrix runs with -m slow.
+SLOW_IDS = ("test_multiturn_exact[qwen3_next-ngram-seeded", "test_multiturn_exact[qwen3_next-self-seeded",
+            "test_multiturn_exact[nemotron_h-ngram-", "test_multiturn_exact[nemotron_h-none-seeded",
+            "test_multiturn_exact[nemotron_h-self-seeded", "test_multiturn_exact[qwen3-none-seeded",
+            "test_multiturn_exact[qwen3-ngram-seeded")
+
 
 @pytest.fixture(scope="module", params=["qwen3_next", "nemotron_h", "qwen3"])
 def model(request, spec_pair):
