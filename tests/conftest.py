@@ -8,11 +8,14 @@ import threading
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# One persistent XLA compile cache per test process, in a fresh directory: the suite builds many engines of
-# the same shapes (and the server tests a process of the default engine's shape), and a cache hit replaces a
-# compile — without it the suite takes about three times as long. Nothing outlives the run.
-_CACHE_HOME = tempfile.mkdtemp(prefix="atlas_jax_tests_")
-atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
+# One persistent XLA compile cache for the test run, in a fresh directory: the suite builds many engines of
+# the same shapes (each pytest process its shared default engine, the server tests a process of that shape),
+# and a cache hit replaces a compile. scripts/run_tests.sh gives both of its pytest processes one directory
+# (ATLAS_JAX_TEST_CACHE, removed after the run); a plain pytest run makes its own, removed at exit.
+_CACHE_HOME = os.environ.get("ATLAS_JAX_TEST_CACHE")
+if not _CACHE_HOME:
+    _CACHE_HOME = tempfile.mkdtemp(prefix="atlas_jax_tests_")
+    atexit.register(shutil.rmtree, _CACHE_HOME, ignore_errors=True)
 os.environ["ATLAS_JAX_HOME"] = _CACHE_HOME
 os.environ.pop("ATLAS_JAX_DISABLE_COMPILE_CACHE", None)
 sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models (the torch oracle) by name

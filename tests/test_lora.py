@@ -44,7 +44,7 @@ def _check_against_peft(peft_model, adapter, cfg, modules, seed):
         with torch.no_grad():
             ref = layers[module](torch.tensor(x)).numpy()
             base = layers[module].base_layer(torch.tensor(x)).numpy()
-        delta = lora_delta(jnp.asarray(x), jnp.asarray(np.stack([np.zeros_like(a), a]))[:, :, :],
+        delta = lora_delta(jnp.asarray(x), jnp.asarray(np.stack([np.zeros_like(a), a], axis=1)),
                            jnp.asarray(np.stack([np.zeros_like(b), b])), jnp.ones(5, jnp.int32))
         np.testing.assert_allclose(base + np.asarray(delta), ref, atol=1e-5, rtol=1e-4)
         assert np.abs(ref - base).max() > 1e-3                      # the adapter changes the output
@@ -82,7 +82,8 @@ def test_mixed_slots_each_get_their_adapter():
     a[0] = b[0] = 0
     x = rng.standard_normal((7, d_in)).astype(np.float32)
     slot = np.array([0, 1, 2, 1, 0, 2, 2], np.int32)
-    out = np.asarray(lora_delta(jnp.asarray(x), jnp.asarray(a), jnp.asarray(b), jnp.asarray(slot)))
+    out = np.asarray(lora_delta(jnp.asarray(x), jnp.asarray(a.transpose(1, 0, 2)), jnp.asarray(b),
+                                jnp.asarray(slot)))
     for i, sl in enumerate(slot):
         np.testing.assert_allclose(out[i], x[i] @ a[sl] @ b[sl], atol=1e-5, rtol=1e-5)
 
@@ -141,7 +142,7 @@ def test_forward_mixing_adapters_matches_peft(ckpt_dir, tmp_path, family):
     pool = {}
     for p_path in adapters[0].weights:
         a0, b0 = adapters[0].weights[p_path]
-        pool[p_path] = (jnp.asarray(np.stack([np.zeros_like(a0)] + [ad.weights[p_path][0] for ad in adapters])),
+        pool[p_path] = (jnp.asarray(np.stack([np.zeros_like(a0)] + [ad.weights[p_path][0] for ad in adapters], axis=1)),
                         jnp.asarray(np.stack([np.zeros_like(b0)] + [ad.weights[p_path][1] for ad in adapters])))
     params, _ = load_model_params(path, cfg, "float32")
     t, page = len(prompt), 4

@@ -55,6 +55,7 @@ def test_pallas_tokens_equal_xla(ckpt_dir, xla_engines, family):
     assert alone == batched[:2]
 
 
+@pytest.mark.slow      # the kernels' verify intermediates and rollback reads: test_pallas_gdn (interpret mode)
 def test_pallas_speculative_verify_equals_xla(ckpt_dir, xla_engines):
     """The GDN kernels with R = 4 state positions: verify writes per-token states, the next step reads
     the accepted one (drafts: first right, the rest wrong)."""

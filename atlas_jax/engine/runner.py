@@ -117,7 +117,7 @@ class ModelRunner:
         if not slots:
             return {}
         from .lora import pool_shapes
-        return {key: (jnp.zeros((slots + 1, d_in, rank), dtype), jnp.zeros((slots + 1, rank, d_out), dtype))
+        return {key: (jnp.zeros((d_in, slots + 1, rank), dtype), jnp.zeros((slots + 1, rank, d_out), dtype))
                 for key, (d_in, d_out) in pool_shapes(self.cfg, self.params).items()}
 
     @property
@@ -403,7 +403,7 @@ class ModelRunner:
             if key in weights:
                 full[key] = tuple(jnp.asarray(w, jnp.float32) for w in weights[key])
             else:
-                full[key] = (jnp.zeros(a.shape[1:], jnp.float32), jnp.zeros(b.shape[1:], jnp.float32))
+                full[key] = (jnp.zeros((a.shape[0], a.shape[2]), jnp.float32), jnp.zeros(b.shape[1:], jnp.float32))
         unknown = set(weights) - set(full)
         if unknown:
             raise ValueError(f"adapter weights for {sorted(unknown)[:3]}, which this model's pool lacks")
@@ -462,7 +462,7 @@ class ModelRunner:
         elif kind == "prefix":
             args = (i32(), i32(), i32(), i32(), i32(self.max_pages_per_seq * self.page_size), i32(), i32())
         elif kind == "adapter":
-            args = (i32(), {key: (jax.ShapeDtypeStruct(a.shape[1:], jnp.float32),
+            args = (i32(), {key: (jax.ShapeDtypeStruct((a.shape[0], a.shape[2]), jnp.float32),
                                   jax.ShapeDtypeStruct(b.shape[1:], jnp.float32))
                             for key, (a, b) in self.state.lora.items()})
         else:

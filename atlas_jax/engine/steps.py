@@ -28,7 +28,7 @@ class EngineState:
     draft_kv: tuple = ()       # the MTP head's (k, v) page pools per MTP layer (empty without MTP)
     snapshots: tuple = ()      # prefix cache: per GDN layer (h [N, Hv, Dk, Dv] fp32, conv [N, C, K]) recurrent
                                # state after a cached prefix (state/prefix_cache.py); empty when off
-    lora: dict = dataclasses.field(default_factory=dict)   # LoRA pool: param key -> (A [S, in, R], B [S, R, out]),
+    lora: dict = dataclasses.field(default_factory=dict)   # LoRA pool: param key -> (A [in, S, R], B [S, R, out]),
                                # slot 0 zeros (layers/lora.py, engine/lora.py); empty without LoRA
 
 
@@ -164,6 +164,6 @@ def load_prefix(params, state: EngineState, slot, snap, cow_src, cow_dst, tokens
 def load_adapter(params, state: EngineState, slot, weights):
     """LoRA promotion: pool slot `slot` := weights {param key: (A [in, R], B [R, out])} (every pool key)."""
     del params
-    lora = {key: (a.at[slot].set(weights[key][0].astype(a.dtype)), b.at[slot].set(weights[key][1].astype(b.dtype)))
+    lora = {key: (a.at[:, slot].set(weights[key][0].astype(a.dtype)), b.at[slot].set(weights[key][1].astype(b.dtype)))
             for key, (a, b) in state.lora.items()}
     return None, dataclasses.replace(state, lora=lora)

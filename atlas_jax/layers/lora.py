@@ -1,17 +1,18 @@
 """Multi-adapter LoRA on one flat token axis: each token adds its own adapter's low-rank delta.
 
-The pool for one projection holds every resident adapter: A [S, in, R], B [S, R, out] (scale folded
+The pool for one projection holds every resident adapter: A [in, S, R], B [S, R, out] (scale folded
 into B; slot 0 = zeros = the base model). Instead of gathering each token's adapter (punica's bgmv),
-x is multiplied by every slot's A at once and the other slots' columns are zeroed, so the whole
-batch is two dense matmuls of width S*R — one compiled shape for any mix of adapters, and at the
-small S*R of a serving pool (e.g. 4 x 16) a few percent of the base projection's work.
+x is multiplied by every slot's A at once — one plain GEMM with A viewed as [in, S*R] — and the other
+slots' columns are zeroed before the second GEMM with B viewed as [S*R, out]: one compiled shape for
+any mix of adapters, and at the small S*R of a serving pool (e.g. 5 x 16) a few percent of the base
+projection's work.
 """
 import jax.numpy as jnp
 
 
 def project(x, p, name: str, slot=None):
     """x @ p[name] (+ p[name + "_bias"]), plus each token's adapter delta when the params carry this
-    projection's adapter pool (p[name + "_lora"] = (A [S, in, R], B [S, R, out]), merged in by
+    projection's adapter pool (p[name + "_lora"] = (A [in, S, R], B [S, R, out]), merged in by
     `with_pool`) and slot [N] (each token's adapter slot) is given."""
     y = x @ p[name]
     if f"{name}_bias" in p:
@@ -50,8 +51,8 @@ def with_pool(params, pool: dict):
 
 
 def lora_delta(x, a, b, slot):
-    """x [N, in]; a [S, in, R]; b [S, R, out]; slot [N] int32 (0 = no adapter) -> [N, out] (x's dtype)."""
-    s, _, r = a.shape
-    xa = jnp.einsum("ni,sir->nsr", x, a.astype(x.dtype))                             # every slot's A
-    xa = jnp.where(jnp.arange(s)[None, :, None] == slot[:, None, None], xa, jnp.zeros((), xa.dtype))
-    return xa.reshape(x.shape[0], s * r) @ b.reshape(s * r, -1).astype(x.dtype)
+    """x [N, in]; a [in, S, R]; b [S, R, out]; slot [N] int32 (0 = no adapter) -> [N, out] (x's dtype)."""
+    d_in, s, r = a.shape
+    xa = x @ a.reshape(d_in, s * r).astype(x.dtype)                                   # every slot's A
+    own = (jnp.arange(s * r, dtype=jnp.int32) // r)[None, :] == slot[:, None]
+    return jnp.where(own, xa, jnp.zeros((), xa.dtype)) @ b.reshape(s * r, -1).astype(x.dtype)
