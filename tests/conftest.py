@@ -119,3 +119,17 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.name.startswith(p) for p in getattr(item.module, "SLOW_IDS", ())):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_executables():
+    """After each module, drop jax's caches of compiled executables (engines keep their own). Each live
+    XLA:CPU executable holds ~9 memory mappings; a whole half of the suite accumulates thousands, and at
+    vm.max_map_count (65530) the next compile or cache write aborts the process (seen as SIGABRT inside
+    `compile` / `serialize` late in long runs)."""
+    yield
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
