@@ -72,12 +72,13 @@ SPEC_ENGINE = dict(dtype="float32", page_size=8, max_num_seqs=4, max_model_len=1
                    max_num_batched_tokens=128, warmup=False, compile_cache_dir="", progress=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")     # module scope: their executables are freed with the module (map-count limit)
 def spec_pair(ckpt_dir):
     """spec_pair(family) -> (base, spec) for "qwen3_next" / "nemotron_h" / "qwen3": a tiny checkpoint (init
     0.2, slow GDN / Mamba2 decay: a wrong state changes tokens) on a plain engine and on a speculative one
     (3 drafts; self-speculative for the hybrids, ngram for Qwen3) built with prefix caching, switched off
-    until a test turns it on. Tests swap its drafter (`engine.proposer`); each engine compiles once a session."""
+    until a test turns it on. Tests swap its drafter (`engine.proposer`); built once per module (later modules load the
+    compiled steps from the run's persistent compile cache)."""
     import hf_models
     from atlas_jax import LLM
     made = {}
