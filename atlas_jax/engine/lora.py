@@ -63,9 +63,9 @@ class LoRAManager:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras}, {max_rank}")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
-        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
+        self.max_cpu_loras = max_cpu_loras or max_loras
         self._load_slot = load_slot
         self._lock = threading.RLock()                 # registry, host cache, slot table: request threads use them
         self._registry: dict[str, _Registered] = {}
