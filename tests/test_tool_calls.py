@@ -51,7 +51,7 @@ class ScriptedEngine:
     def abort_nowait(self, request_id, reason="abort"):
         pass
 
-    async def add_request_async(self, prompt, params, request_id=None):
+    async def add_request_async(self, prompt, params, request_id=None, lora_request=None):
         self.prompts.append(prompt)
         text, queue = self.replies.pop(0), asyncio.Queue()
         prompt_ids = self.tokenizer.encode(prompt)
