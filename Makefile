@@ -28,9 +28,7 @@ run: $(VENV)/.run-deps
 generate: $(VENV)/.run-deps
 	$(PY) -m atlas_jax.generate --prompt "$(PROMPT)"
 
-# Two processes: native crashes inside XLA (compile / serialize) were seen only late in one long process
-# holding hundreds of executables; splitting bounds that (session fixtures are built once per half).
-# scripts/run_tests.sh repeats a native fault's report at the end of the output.
+# pytest-xdist, one worker per core (scripts/run_tests.sh; a crashed worker's report repeated at the end).
 test: $(VENV)/.test-deps
 	PY=$(PY) scripts/run_tests.sh
 

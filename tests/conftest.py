@@ -23,6 +23,11 @@ sys.path.insert(0, os.path.dirname(__file__))          # tests import hf_models 
 from atlas_jax.engine.llm import default_compile_cache_dir, enable_compile_cache  # noqa: E402
 
 enable_compile_cache(default_compile_cache_dir())      # for every engine, compile_cache_dir="" ones included
+import jax  # noqa: E402
+
+# A size bound turns on the cache's file lock: pytest-xdist workers share the directory, and an unlocked
+# write could be read half-written by the other worker.
+jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -3,6 +3,7 @@ carry across chunks. The recurrence itself is checked against HF in test_hf_pari
 import jax
 import jax.numpy as jnp
 import numpy as np
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,15 +22,19 @@ def _inputs(seed, b, t, h, dk, dv, with_state):
     return q, k, v, g, beta, s0
 
 
-@settings(max_examples=8, deadline=None)
+recurrent = jax.jit(gdn.recurrent, static_argnames=("all_states", "delta_rule"))
+chunked = jax.jit(gdn.chunked, static_argnames=("chunk", "delta_rule"))
+
+
+@settings(max_examples=examples(8), deadline=None)
 @given(t=st.integers(1, 150), h=st.integers(1, 3), dk=st.sampled_from([4, 8, 12]), dv=st.sampled_from([4, 8, 20]),
        with_state=st.booleans(), delta_rule=st.booleans(), chunk=st.sampled_from([16, 64]), seed=st.integers(0, 1000))
 def test_chunked_equals_recurrent(t, h, dk, dv, with_state, delta_rule, chunk, seed):
     """The chunked form (WY with the delta rule; Mamba2's SSD without, at its config's chunk size)
     equals the token scan."""
     args = _inputs(seed, 2, t, h, dk, dv, with_state)
-    o_r, s_r = jax.jit(gdn.recurrent, static_argnames=("delta_rule",))(*args, delta_rule=delta_rule)
-    o_c, s_c = jax.jit(gdn.chunked, static_argnames=("chunk", "delta_rule"))(*args, chunk=chunk, delta_rule=delta_rule)
+    o_r, s_r = recurrent(*args, delta_rule=delta_rule)
+    o_c, s_c = chunked(*args, chunk=chunk, delta_rule=delta_rule)
     np.testing.assert_allclose(o_c, o_r, atol=2e-4, rtol=2e-4)
     np.testing.assert_allclose(s_c, s_r, atol=2e-4, rtol=2e-4)
 
@@ -38,16 +43,16 @@ def test_padding_tokens_leave_state_unchanged():
     q, k, v, g, beta, s0 = _inputs(0, 1, 70, 2, 8, 8, True)
     g = g.at[:, 40:].set(0.0)
     beta = beta.at[:, 40:].set(0.0)
-    _, s_full = gdn.chunked(q, k, v, g, beta, s0)
-    _, s_40 = gdn.recurrent(q[:, :40], k[:, :40], v[:, :40], g[:, :40], beta[:, :40], s0)
+    _, s_full = chunked(q, k, v, g, beta, s0)
+    _, s_40 = recurrent(q[:, :40], k[:, :40], v[:, :40], g[:, :40], beta[:, :40], s0)
     np.testing.assert_allclose(s_full, s_40, atol=2e-4)
 
 
 def test_split_sequence_carries_state():
     q, k, v, g, beta, s0 = _inputs(1, 2, 100, 2, 8, 12, True)
-    o_all, s_all = gdn.chunked(q, k, v, g, beta, s0)
-    o1, s1 = gdn.chunked(q[:, :37], k[:, :37], v[:, :37], g[:, :37], beta[:, :37], s0)
-    o2, s2 = gdn.recurrent(q[:, 37:], k[:, 37:], v[:, 37:], g[:, 37:], beta[:, 37:], s1)
+    o_all, s_all = chunked(q, k, v, g, beta, s0)
+    o1, s1 = chunked(q[:, :37], k[:, :37], v[:, :37], g[:, :37], beta[:, :37], s0)
+    o2, s2 = recurrent(q[:, 37:], k[:, 37:], v[:, 37:], g[:, 37:], beta[:, 37:], s1)
     np.testing.assert_allclose(jnp.concatenate([o1, o2], 1), o_all, atol=2e-4)
     np.testing.assert_allclose(s2, s_all, atol=2e-4)
 

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -94,7 +95,7 @@ def test_dispatch_choice():
     assert moe_mod.dispatch_for("gpu", 10, 512, compiled, (2048, 24)) == "gather"     # tile-less shape: XLA
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(blocks=st.integers(1, 5), tb=st.sampled_from([16, 32]), k=st.sampled_from([16, 48, 64, 192]),
        n=st.sampled_from([16, 96, 128, 384]), e=st.integers(1, 4), bf16=st.booleans(), seed=st.integers(0, 999))
 def test_grouped_matmul_matches_reference(blocks, tb, k, n, e, bf16, seed):

@@ -9,6 +9,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -83,7 +84,7 @@ def test_soft_cap_and_sliding_window(t):
     _check(rows, t, 4, 2, 64, 16, jnp.float32, soft_cap=30.0, window=18)
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(data=st.data(), t=st.sampled_from([1, 2, 5, 8, 16]), groups=st.sampled_from([1, 2, 4, 8]),
        hkv=st.sampled_from([1, 2]), d=st.sampled_from([64, 128, 256]), ps=st.sampled_from([16, 32, 64]),
        bf16=st.booleans())

@@ -9,6 +9,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from budget import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -71,7 +72,7 @@ def test_reference_without_delta_rule_is_mamba2():
     np.testing.assert_allclose(pool_out[:, 0], np.swapaxes(s, -1, -2), atol=1e-4, rtol=1e-4)
 
 
-@settings(max_examples=8, deadline=None)
+@settings(max_examples=examples(8), deadline=None)
 @given(t=st.sampled_from([1, 2, 5, 8]), ratio=st.sampled_from([1, 2]), dk=st.sampled_from([16, 32]),
        dv=st.sampled_from([16, 128]), verify=st.booleans(), delta_rule=st.booleans(), seed=st.integers(0, 10_000))
 def test_recurrent_kernel_matches_reference(t, ratio, dk, dv, verify, delta_rule, seed):
@@ -115,7 +116,7 @@ def _packed(rng, lengths, hk, hv, dk, dv):
     return tuple(x[0] for x in (q, k, v, g, beta))
 
 
-@settings(max_examples=6, deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(lengths=st.lists(st.sampled_from([0, 1, 17, 63, 64, 65, 130]), min_size=1, max_size=4),
        ratio=st.sampled_from([1, 2]), dv=st.sampled_from([16, 128]), delta_rule=st.booleans(),
        seed=st.integers(0, 10_000))
