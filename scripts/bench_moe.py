@@ -17,6 +17,57 @@ import numpy as np
 from atlas_jax.layers import moe as moe_mod
 
 
+# ---- candidates measured beside the engine's dispatch (not used by the engine: slower here, see
+# ../shared/reference/cpu-performance.md) ----
+def capacity_layout(ids, weights, num_experts: int, capacity: int):
+    """The pairs grouped by expert into a static [E, C] grid (rows past C dropped: callers pick C >= the
+    largest group). Returns (token [E*C] source row per cell (N = empty), weight [E*C] fp32)."""
+    n, k = ids.shape
+    order, expert, sizes = moe_mod._sort_pairs(ids, num_experts)
+    pos = jnp.arange(n * k) - (jnp.cumsum(sizes) - sizes)[expert]          # rank of each sorted pair in its group
+    cell = jnp.where(pos < capacity, expert * capacity + pos, num_experts * capacity)
+    token = jnp.full((num_experts * capacity,), n, jnp.int32).at[cell].set(order // k, mode="drop")
+    weight = jnp.zeros((num_experts * capacity,), jnp.float32).at[cell].set(weights.reshape(-1)[order], mode="drop")
+    return token, weight, jnp.max(sizes)
+
+
+def _capacity_mlp(p, x, token, weight, capacity):
+    """One batched matmul per projection over the [E, C, H] grid: each expert's weights are read in place."""
+    e, h_dim = p["up"].shape[:2]
+    xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0).reshape(e, capacity, h_dim)
+    proj = lambda a, w: jnp.einsum("ech,ehf->ecf", a, w)
+    act = moe_mod._act(proj(xs, p["gate"]) if "gate" in p else None, proj(xs, p["up"])).astype(x.dtype)
+    return moe_mod._combine(proj(act, p["down"]).reshape(e * capacity, h_dim), token, weight, x.shape[0])
+
+
+def capacity_sizes(num_tokens: int, num_pairs: int, num_experts: int) -> tuple[int, int]:
+    """(C_small, C_full): C_full = N holds any routing (an expert gets each token at most once); C_small,
+    twice the mean group rounded up to 8 rows, holds a balanced routing at a fraction of the FLOPs."""
+    twice_mean = -(-2 * num_pairs // num_experts)
+    return min(num_tokens, -(-twice_mean // 8) * 8), num_tokens
+
+
+def _experts_capacity(p, x, weights, ids):
+    """Static capacity grid: C_small when every group fits it (checked on device), else C_full = N."""
+    n, k = ids.shape
+    e = p["up"].shape[0]
+    small, full = capacity_sizes(n, n * k, e)
+    token, weight, largest = capacity_layout(ids, weights, e, small)
+    if small == full:
+        return _capacity_mlp(p, x, token, weight, small).astype(x.dtype)
+
+    def overflow(_):
+        token_f, weight_f, _ = capacity_layout(ids, weights, e, full)
+        return _capacity_mlp(p, x, token_f, weight_f, full)
+    y = jax.lax.cond(largest <= small, lambda _: _capacity_mlp(p, x, token, weight, small), overflow, None)
+    return y.astype(x.dtype)
+
+
+
+
+DISPATCHES = {"blocked": moe_mod._experts_blocked, "capacity": _experts_capacity}
+
+
 def _median_ms(fn, *args, reps=7):
     jax.block_until_ready(fn(*args))
     times = []
@@ -47,8 +98,8 @@ def main():
         ref = moe_mod._experts_gather(p, x, weights, ids)
         row = {"tokens": n}
         useful = 2 * 3 * n * k * h * f
-        for name in moe_mod.CPU_DISPATCHES:
-            fn = jax.jit(lambda p, x, w, i, name=name: moe_mod.CPU_DISPATCHES[name](p, x, w, i))
+        for name in DISPATCHES:
+            fn = jax.jit(lambda p, x, w, i, name=name: DISPATCHES[name](p, x, w, i))
             out = fn(p, x, weights, ids)
             err = float(jnp.max(jnp.abs(out - ref)))
             assert err < 1e-3, (name, n, err)
