@@ -152,7 +152,7 @@ class ModelRunner:
                              f"(rows <= {self.prefill_row_buckets[-1]}, tokens <= {self.prefill_token_buckets[-1]})")
         return bp, tp
 
-    # ---- host -> device metadata -----------------------------------------------------------
+    # ---- host metadata: numpy arrays, transferred by the compiled executable's own call ----------------
     def _segment(self, rows: list[RowInput], b: int, t: int) -> StepBatch:
         p = self.max_pages_per_seq
         tokens = np.zeros((b, t), np.int32)
@@ -171,9 +171,8 @@ class ModelRunner:
             tokens[i, :n] = r.tokens
             q_len[i], start[i], slot[i], state_idx[i], adapter[i] = n, r.start, r.slot, r.state_idx, r.adapter
             table[i, :len(r.block_table)] = r.block_table
-        return StepBatch(tokens=np.asarray(tokens), q_len=np.asarray(q_len), start=np.asarray(start),
-                         block_table=np.asarray(table), slot=np.asarray(slot), state_idx=np.asarray(state_idx),
-                         adapter=np.asarray(adapter) if self.lora else None)
+        return StepBatch(tokens=tokens, q_len=q_len, start=start, block_table=table, slot=slot, state_idx=state_idx,
+                         adapter=adapter if self.lora else None)
 
     def _sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
         """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows
@@ -182,7 +181,7 @@ class ModelRunner:
         rows = [r if r is not None else filler for r in rows] + [filler] * (b - len(rows))
 
         def col(get, dt):
-            return np.asarray(np.array([get(r) for r in rows], dt))
+            return np.array([get(r) for r in rows], dt)
         return SamplingBatch(
             temperature=col(lambda r: r.params.temperature, np.float32), top_k=col(lambda r: r.params.top_k, np.int32),
             top_p=col(lambda r: r.params.top_p, np.float32), min_p=col(lambda r: r.params.min_p, np.float32),
@@ -202,7 +201,7 @@ class ModelRunner:
             adjust, only[i] = r.logit_adjust
             for j, (t, v) in enumerate(list(adjust.items())[:BIAS_COLUMNS]):
                 ids[i, j], bias[i, j] = t, v
-        return {"bias_ids": np.asarray(ids), "bias": np.asarray(bias), "bias_only": np.asarray(only)}
+        return {"bias_ids": ids, "bias": bias, "bias_only": only}
 
     def _executable(self, kind: str, args):
         """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
@@ -280,7 +279,7 @@ class ModelRunner:
         first, target, accept, new_drafts = self._run(
             "verify", segments, self._sampling(sampling_rows, sum(s.tokens.shape[0] for s in segments)),
             self._prompt_lens(segments, groups),
-            np.asarray(draft_cols), self._mtp_in(segments, groups, sampling_rows))
+            draft_cols, self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         self.last_drafts = np.asarray(new_drafts)[live] if new_drafts is not None else None
@@ -307,15 +306,15 @@ class ModelRunner:
         b = bucket(len(rows))
         caps_col = np.zeros((b,), np.int32)
         caps_col[:len(caps)] = caps
-        drafts = np.asarray(self._run("draft", self._segment(rows, b, 1), np.asarray(caps_col)))
+        drafts = np.asarray(self._run("draft", self._segment(rows, b, 1), caps_col))
         self.step_counts["draft"] += 1
         return [[int(t) for t in drafts[i, :c]] for i, c in enumerate(caps)]
 
     @staticmethod
     def _prompt_lens(segments, groups):
         """Per segment [B] prompt lengths of its rows (0 for padding rows)."""
-        return tuple(np.asarray(np.array([r.prompt_len for r in rows] + [0] * (s.tokens.shape[0] - len(rows)),
-                                          np.int32)) for s, rows in zip(segments, groups))
+        return tuple(np.array([r.prompt_len for r in rows] + [0] * (s.tokens.shape[0] - len(rows)), np.int32)
+                     for s, rows in zip(segments, groups))
 
     def _mtp_in(self, segments, groups, sampling_rows):
         """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
@@ -327,10 +326,10 @@ class ModelRunner:
             nt = np.zeros(seg.tokens.shape, np.int32)
             for i, r in enumerate(rows):
                 nt[i, :len(r.tokens)] = list(r.tokens[1:]) + [r.next_token]
-            next_tokens.append(np.asarray(nt))
+            next_tokens.append(nt)
         ok = np.zeros((sum(s.tokens.shape[0] for s in segments),), bool)
         ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
-        return tuple(next_tokens), np.asarray(ok)
+        return tuple(next_tokens), ok
 
     def chunked_logits(self, ids: list[int], pages: list[int], slot: int, chunk: int, warmed: bool = False):
         """fp32 logits [len(ids), V] of a prompt fed in chunks on `pages` / `slot` (the recurrent state
