@@ -1,4 +1,5 @@
 """atlas_jax: a JAX/XLA inference engine for hybrid LLMs (attention + Gated DeltaNet + MoE)."""
+from . import host_memory  # noqa: F401  (first: glibc settings before any XLA thread allocates)
 from .config import ConfigError, ModelConfig
 from .engine.llm import LLM
 from .engine.lora import LoRARequest

@@ -6,6 +6,8 @@
                                                           # 16-expert Qwen3-Next first (under /tmp)
     python scripts/bench.py --code-prompts --speculative mtp   # the shipped atlas-tiny on real code
     python scripts/bench.py --make qwen3-next-12l --batch 8 --lora 16   # + decode with 0, 1, 4 LoRA adapters
+    python scripts/bench.py --make qwen3-next-12l --batch 1,8,32,64 --prefill-prompts 512,2048 --vs-hf
+                                                          # + prefill rows at longer prompts (batch 1)
 With no checkpoint it measures the shipped default model. Prompts are random token ids, or with
 --code-prompts windows of the standard library's held-out files (a trained model's drafts only get
 accepted on text like its training data).
@@ -97,6 +99,9 @@ def main():
     ap.add_argument("--code-prompts", action="store_true", help="prompts cut from the standard library's "
                     "held-out files (scripts/train_tiny.py's split) instead of random token ids")
     ap.add_argument("--kernels", default="auto", help="auto (Pallas on GPU), xla, pallas")
+    ap.add_argument("--prefill-prompts", default="", metavar="N,N", help="also measure prefill alone at these "
+                    "prompt lengths (batch 1, chunks of up to 512 tokens, one engine of its own; HF beside it with "
+                    "--vs-hf)")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="also measure an engine serving LoRA "
                     "(4 slots of this rank, random adapters on every adaptable projection): decode tokens/s with "
                     "0, 1 and 4 distinct adapters in the batch, beside the engine without LoRA")
@@ -161,6 +166,9 @@ def main():
                        prefill_vs_hf=round(row["prefill_tokens_per_s"] / hf_prefill, 2),
                        decode_vs_hf=round(row["decode_tokens_per_s"] / hf_decode, 2))
         print(json.dumps(result), file=sys.stderr, flush=True)     # partial results survive a time limit
+    lengths = [int(n) for n in args.prefill_prompts.split(",") if n]
+    if lengths:
+        result["prefill"] = _prefill_rows(ckpt, {**engine, "max_num_seqs": 1}, lengths, hf, rng)
     if 1 in result["batches"]:
         b1 = result["batches"][1]
         result["roofline_fraction_b1"] = round(b1["decode_achieved_gbs"] / result["memory_gbs"], 3)
@@ -170,6 +178,22 @@ def main():
             result[f"decode_b{top}_over_b1"] = round(result["batches"][top]["decode_tokens_per_s"]
                                                      / b1["decode_tokens_per_s"], 2)
     print(json.dumps(result))
+
+
+def _prefill_rows(ckpt, engine: dict, lengths: list[int], hf, rng) -> dict:
+    """Prefill tokens/s at batch 1 for each prompt length (one engine sized for the longest), HF beside it."""
+    llm = LLM(ckpt, **{**engine, "max_model_len": max(lengths) + 16, "max_prefill_chunk": min(max(lengths), 512)})
+    first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    rows = {}
+    for n in lengths:
+        prompt = [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, n)]]
+        compiles = llm.num_compiles
+        t = min(_timed(lambda: llm.generate(prompt, first)) for _ in range(2))
+        row = rows[n] = {"prefill_tokens_per_s": round(n / t, 1), "compiles_after_warmup": llm.num_compiles - compiles}
+        if hf is not None:
+            hf_rate, _ = _hf_throughput(hf, prompt, 2)
+            row.update(hf_prefill_tokens_per_s=round(hf_rate, 1), prefill_vs_hf=round(n / t / hf_rate, 2))
+    return rows
 
 
 def code_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
