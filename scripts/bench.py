@@ -51,6 +51,18 @@ NEMOTRON_H_12L = {
 MAKE = {"qwen3-next-12l": QWEN3_NEXT_12L, "nemotron-h-12l": NEMOTRON_H_12L}
 
 
+def checkpoint_path(ckpt: str | None, make: str | None) -> str | None:
+    """The checkpoint to measure: `ckpt`, or with `make` a random one of that MAKE config (written once
+    under /tmp); None = the shipped default model."""
+    if not make:
+        return ckpt
+    from atlas_jax.default_model import write_random_checkpoint
+    path = f"/tmp/atlas_jax_bench_{make}"
+    if not os.path.exists(os.path.join(path, "model.safetensors")):
+        write_random_checkpoint(path, MAKE[make])
+    return path
+
+
 def memory_bandwidth_gbs() -> float:
     """Read bandwidth on CPU (jitted reduction), read + write bandwidth of a copy elsewhere."""
     import jax.numpy as jnp
@@ -106,12 +118,7 @@ def main():
                     "(4 slots of this rank, random adapters on every adaptable projection): decode tokens/s with "
                     "0, 1 and 4 distinct adapters in the batch, beside the engine without LoRA")
     args = ap.parse_args()
-    ckpt = args.ckpt
-    if args.make:
-        from atlas_jax.default_model import write_random_checkpoint
-        ckpt = f"/tmp/atlas_jax_bench_{args.make}"
-        if not os.path.exists(os.path.join(ckpt, "model.safetensors")):
-            write_random_checkpoint(ckpt, MAKE[args.make])
+    ckpt = checkpoint_path(args.ckpt, args.make)
     batches = [int(b) for b in args.batch.split(",")]
     t0 = time.perf_counter()
     engine = dict(dtype=args.dtype, max_num_seqs=max(batches), max_model_len=args.prompt + args.new + 16,

@@ -24,7 +24,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench import MAKE  # noqa: E402
+from bench import MAKE, checkpoint_path  # noqa: E402
 
 from atlas_jax import LLM  # noqa: E402
 from atlas_jax.engine.runner import RowInput, bucket  # noqa: E402
@@ -87,12 +87,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
     args = ap.parse_args()
-    ckpt = args.ckpt
-    if args.make:
-        from atlas_jax.default_model import write_random_checkpoint
-        ckpt = f"/tmp/atlas_jax_bench_{args.make}"
-        if not os.path.exists(os.path.join(ckpt, "model.safetensors")):
-            write_random_checkpoint(ckpt, MAKE[args.make])
+    ckpt = checkpoint_path(args.ckpt, args.make)
     llm = LLM(ckpt, max_num_seqs=args.batch if args.tokens == 1 else 1, max_model_len=max(256, 64 + args.tokens + 16),
               max_prefill_chunk=max(16, args.tokens), max_prefill_rows=max(1, args.batch if args.tokens > 1 else 1),
               warmup=False, progress=False)
