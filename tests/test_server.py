@@ -321,9 +321,9 @@ def test_sigterm_drains(server):
                         return "503" if ok else f"status {r.status_code}"
                     return stream_end([line[6:] async for line in r.aiter_lines() if line.startswith("data: ")])
             tasks = [asyncio.create_task(stream()) for _ in range(128)]
-            for _ in range(1000):                 # every request is in the engine before the signal
+            for _ in range(1000):                 # every request in the engine, all 8 slots taken, before the signal
                 running, waiting = await metric("atlas_running_requests"), await metric("atlas_waiting_requests")
-                if running + waiting == 128:
+                if (running, waiting) == (8, 120):
                     break
                 await asyncio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
