@@ -25,24 +25,25 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench import MAKE, checkpoint_path  # noqa: E402
+from profile_step import step_inputs  # noqa: E402
 
 from atlas_jax import LLM  # noqa: E402
-from atlas_jax.engine.runner import RowInput, bucket  # noqa: E402
+from atlas_jax.engine.runner import RowInput  # noqa: E402
 
 _HOST_EVENTS = ("ThunkExecutor", "Common", "Pjit", "$", "Slinky", "Threadpool", "Allocate", "Handle", "Parse",
                 "Python", "Wait", "DevicePut", "end:")
 
 
 def step_args(runner, batch: int, tokens: int):
-    """The `step` arguments for `batch` rows of `tokens` new tokens at position 64 (host arrays)."""
+    """The `step` arguments for `batch` rows of `tokens` new tokens at position 64 (host arrays): a decode
+    step as profile_step.py builds it, or a prefill chunk beside an empty decode segment (the mixed step)."""
+    if tokens == 1:
+        return step_inputs(runner, batch, 1, False)[1]
     pages = list(range(1, 1 + runner.max_pages_per_seq))
     rows = [RowInput(tokens=[5] * tokens, start=64, block_table=pages, slot=i, prompt_len=64) for i in range(batch)]
-    if tokens == 1:
-        segments, groups, sampling_rows = (runner._segment(rows, bucket(batch), 1),), (rows,), rows
-    else:
-        bd = runner.decode_buckets[-1]
-        segments = (runner._segment([], bd, 1), runner._segment(rows, *runner._prefill_shape(rows)))
-        groups, sampling_rows = ([], rows), [None] * bd + rows
+    bd = runner.decode_buckets[-1]
+    segments = (runner._segment([], bd, 1), runner._segment(rows, *runner._prefill_shape(rows)))
+    groups, sampling_rows = ([], rows), [None] * bd + rows
     b = sum(s.tokens.shape[0] for s in segments)
     return (segments, runner._sampling(sampling_rows, b), runner._prompt_lens(segments, groups),
             runner._mtp_in(segments, groups, sampling_rows))
