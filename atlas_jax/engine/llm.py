@@ -73,10 +73,10 @@ class LLM:
         self.cfg = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
-        self.params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
+        params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
         self.max_model_len = int(a.max_model_len or min(self.cfg.max_position_embeddings, 4096))
         self.engine = EngineCore(
-            self.cfg, self.params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=a.num_pages,
+            self.cfg, params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=a.num_pages,
             max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
@@ -85,6 +85,7 @@ class LLM:
             lora=dict(max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
             if a.enable_lora else None)
         self.runner = self.engine.runner
+        self.params = self.runner.params        # as the steps use them (MoE experts packed on CPU)
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 
     @classmethod

@@ -23,6 +23,7 @@ import numpy as np
 from ..batch import StepBatch
 from ..config import ModelConfig
 from ..kernels import XLA, Kernels
+from ..layers.moe import pack_params
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_snapshots, init_state
 from . import steps
@@ -77,7 +78,7 @@ class ModelRunner:
         """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
         on every adaptable projection, and an adapter column in every step."""
         self.cfg = cfg
-        self.params = params
+        self.params = pack_params(params)          # MoE experts in the CPU kernel's layout where it applies
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_slots

@@ -7,8 +7,12 @@ Nemotron-H may run them in a latent width (latent_in / latent_out projections ar
 shared expert has a sigmoid gate when `shared_gate` is present (Qwen3-Next / Qwen3.5).
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
-sorted by expert and run by one of four dispatches, chosen in `dispatch_for` (the one place the
-choice is made, at trace time from the platform and the shapes):
+sorted by expert and run by one of five dispatches. Packed experts (`pack_params`, done once by the
+ModelRunner on CPU when `atlas_jax.cpu_kernels` builds) always take:
+  * "cpu"     (XLA:CPU custom call, cpu_kernels/moe_experts.cc): each expert's panels read in place,
+    only routed experts read; 2-4x the blocked scan at 1-2048 tokens (scripts/bench_moe.py).
+The others take the checkpoint's [E, H, F] layout; `dispatch_for` chooses among them (the one place
+the choice is made, at trace time from the platform and the shapes):
   * "pallas"  (Pallas kernels): `block_layout` pads each expert's run of pairs to whole blocks
     of tb >= 16 rows; `pallas_kernels.grouped_matmul` multiplies each block by its expert's
     weights, read in place: only routed experts are read.
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import grouped_matmul as pallas_gmm
 
+from .. import cpu_kernels
 from ..kernels import XLA, Kernels
 from .mlp import mlp
 
@@ -174,6 +179,59 @@ def _experts_blocked(p, x, weights, ids):
     return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
 
 
+PANEL_UP, PANEL_DN = 32, 64          # the CPU kernel's panel widths (cpu_kernels/moe_experts.cc)
+
+
+def pack_experts(experts: dict) -> dict:
+    """{[gate [E, H, F]], up [E, H, F], down [E, F, H]} -> the CPU kernel's zero-padded panels:
+    gate_up [E, Fp/32, H, 64] (gate | up per input row; [.., 32] = up alone for relu2 experts) and
+    down [E, Hp/64, Fp, 64]; Fp, Hp = F, H rounded up to whole panels."""
+    up = experts["up"]
+    e, h, f = up.shape
+    fp, hp = -(-f // PANEL_UP) * PANEL_UP, -(-h // PANEL_DN) * PANEL_DN
+
+    def panels(w):
+        w = jnp.pad(w, ((0, 0), (0, 0), (0, fp - f)))
+        return w.reshape(e, h, fp // PANEL_UP, PANEL_UP).transpose(0, 2, 1, 3)
+    gate_up = jnp.concatenate([panels(experts["gate"]), panels(up)], -1) if "gate" in experts else panels(up)
+    down = jnp.pad(experts["down"], ((0, 0), (0, fp - f), (0, hp - h)))
+    return {"gate_up": gate_up, "down": down.reshape(e, fp, hp // PANEL_DN, PANEL_DN).transpose(0, 2, 1, 3)}
+
+
+def cpu_kernel_applies(experts: dict) -> bool:
+    return (jax.default_backend() == "cpu" and experts["up"].ndim == 3 and experts["up"].dtype == jnp.float32
+            and cpu_kernels.available())
+
+
+def pack_params(params):
+    """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel when it applies;
+    params unchanged otherwise. The packed arrays replace the originals (no second copy is kept)."""
+    pack = jax.jit(pack_experts)
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: pack(v) if k == "experts" and isinstance(v, dict) and "up" in v and cpu_kernel_applies(v)
+                    else walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+    return walk(params)
+
+
+def _experts_cpu(p, x, weights, ids):
+    """Packed experts through the CPU custom call; x [N, H] fp32."""
+    cpu_kernels.available()                                    # registers the target (built once)
+    n, k = ids.shape
+    e, f_panels = p["gate_up"].shape[:2]
+    order, _, sizes = _sort_pairs(ids, e)
+    out = (jax.ShapeDtypeStruct((n, x.shape[1]), jnp.float32),
+           jax.ShapeDtypeStruct((n * k, f_panels * PANEL_UP), jnp.float32))     # y, hidden (scratch)
+    y, _ = jax.ffi.ffi_call("atlas_moe_experts", out)(
+        x.astype(jnp.float32), (order // k).astype(jnp.int32), weights.reshape(-1)[order].astype(jnp.float32),
+        sizes, p["gate_up"], p["down"])
+    return y.astype(x.dtype)
+
+
 def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Routing = SOFTMAX, slot=None):
     """p: {router [H, E], [router_bias [E]], experts: {[gate [E, H', F]], up [E, H', F], down [E, F, H']},
     optional latent_in [H, H'] / latent_out [H', H] (H' = H without them), optional shared: MLP params,
@@ -182,9 +240,14 @@ def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Ro
     x2 = x.reshape(-1, shape[-1])
     weights, ids = route(p["router"], x2, top_k, renormalise, routing, p.get("router_bias"))
     xe = x2 @ p["latent_in"] if "latent_in" in p else x2
-    e, h_dim, f_dim = p["experts"]["up"].shape
-    dispatch = dispatch_for(jax.default_backend(), x2.shape[0] * top_k, e, kernels, (h_dim, f_dim))
-    if dispatch == "pallas":
+    if "gate_up" in p["experts"]:
+        dispatch = "cpu"
+    else:
+        e, h_dim, f_dim = p["experts"]["up"].shape
+        dispatch = dispatch_for(jax.default_backend(), x2.shape[0] * top_k, e, kernels, (h_dim, f_dim))
+    if dispatch == "cpu":
+        y = _experts_cpu(p["experts"], xe, weights, ids)
+    elif dispatch == "pallas":
         y = _experts_pallas(p["experts"], xe, weights, ids, kernels.interpret)
     else:
         experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]

@@ -1,0 +1,250 @@
+// Routed MoE experts on the CPU, as one XLA FFI custom call (atlas_moe_experts), over packed weights.
+//
+// y[n] = sum over the pairs p of token n: weight[p] * down_e(act(x[n] @ gate_e, x[n] @ up_e)), e = p's expert.
+// Pairs arrive sorted by expert (`token` [P] = source row of each pair, `weight` [P], `sizes` [E] = run
+// lengths). Every expert's weights are read in place from the resident packed tensors (layout below):
+// no gather, no copy, and only experts with pairs are read (decode reads its k experts).
+//   phase 1: hidden[p, :] = act(x[token[p]] @ gate_e, x[token[p]] @ up_e)   items: (expert, panel)
+//   phase 2: y[:, c] = sum_p weight[p] * hidden[p] @ down_e[:, c]          items: output panels of y
+// Items of a phase write disjoint memory, so they run on XLA's intra-op pool without locks; the calling
+// thread works too and waits only for items already claimed, so it can never wait on a task that has
+// not started (no deadlock when the pool is busy).
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
+// row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
+//   gate_up [E, Fp / PANEL_UP, H, 2 * PANEL_UP] (SwiGLU: gate | up) or [E, Fp / PANEL_UP, H, PANEL_UP] (relu2: up)
+//   down    [E, Hp / PANEL_DN, Fp, PANEL_DN]
+// Each tile streams one contiguous panel; row tiles of an expert re-read it from L1/L2.
+constexpr int PANEL_UP = 32, PANEL_DN = 64;
+#ifdef __AVX512F__
+constexpr int VW = 16;                      // floats per vector register (32 registers)
+constexpr int UP_ROWS = 6, UP_VECS = 2;     // 6 rows x 2 vectors x (gate, up) accumulators per pass
+constexpr int DN_ROWS = 6, DN_VECS = 4;
+#else
+constexpr int VW = 8;                       // AVX2: 16 registers
+constexpr int UP_ROWS = 3, UP_VECS = 2;
+constexpr int DN_ROWS = 6, DN_VECS = 2;
+#endif
+static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+inline float activate(bool glu, float g, float u) {
+  if (glu) return g / (1.0f + std::exp(-g)) * u;     // silu(gate) * up
+  float r = std::max(u, 0.0f);                        // relu(up)^2
+  return r * r;
+}
+
+// hr[r][0 : PANEL_UP] = act(xr[r] @ gate panel, xr[r] @ up panel); panel rows are `stride` floats apart.
+template <int R, bool GLU>
+void up_tile(const float* const* xr, const float* panel, int64_t H, float* const* hr) {
+  constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
+  for (int pass = 0; pass < PANEL_UP / (VW * UP_VECS); ++pass) {
+    const int off = pass * VW * UP_VECS;
+    vf ag[R][UP_VECS] = {}, au[R][UP_VECS] = {};
+    const float* w = panel + off;
+    for (int64_t h = 0; h < H; ++h, w += stride) {
+      vf gv[UP_VECS], uv[UP_VECS];
+      for (int v = 0; v < UP_VECS; ++v) {
+        if (GLU) gv[v] = load(w + v * VW);
+        uv[v] = load(w + (GLU ? PANEL_UP : 0) + v * VW);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float b = xr[r][h];
+        for (int v = 0; v < UP_VECS; ++v) {
+          if (GLU) ag[r][v] += b * gv[v];
+          au[r][v] += b * uv[v];
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < UP_VECS; ++v)
+        for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
+  }
+}
+
+// out[r][0 : PANEL_DN] = hr[r][0 : Fp] @ down panel [Fp, PANEL_DN].
+template <int R>
+void down_tile(const float* const* hr, const float* panel, int64_t Fp, float (*out)[PANEL_DN]) {
+  for (int pass = 0; pass < PANEL_DN / (VW * DN_VECS); ++pass) {
+    const int off = pass * VW * DN_VECS;
+    vf acc[R][DN_VECS] = {};
+    const float* w = panel + off;
+    for (int64_t k = 0; k < Fp; ++k, w += PANEL_DN) {
+      vf dv[DN_VECS];
+      for (int v = 0; v < DN_VECS; ++v) dv[v] = load(w + v * VW);
+      for (int r = 0; r < R; ++r) {
+        const float b = hr[r][k];
+        for (int v = 0; v < DN_VECS; ++v) acc[r][v] += b * dv[v];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < DN_VECS; ++v) store(out[r] + off + v * VW, acc[r][v]);
+  }
+}
+
+// fn(std::integral_constant<int, R>) for the run-time row count rows in [1, ROWS].
+template <int ROWS, typename Fn>
+void with_rows(int rows, Fn&& fn) {
+  static_assert(ROWS <= 6);
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (ROWS >= 2) fn(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (ROWS >= 3) fn(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (ROWS >= 4) fn(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (ROWS >= 5) fn(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (ROWS >= 6) fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+struct Problem {
+  const float *x, *weight, *gate_up, *down;
+  const int32_t* token;
+  std::vector<int64_t> start, size;   // per expert: first sorted pair, pair count
+  int64_t H, Fp, Hp, E;
+  bool glu;
+  float *hidden, *y;
+};
+
+// Phase 1 item: hidden[pairs of e, PANEL_UP * j : + PANEL_UP].
+void up_panel(const Problem& p, int64_t e, int64_t j) {
+  const int64_t panel_size = p.H * (p.glu ? 2 : 1) * PANEL_UP;
+  const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
+  for (int64_t r0 = p.start[e]; r0 < p.start[e] + p.size[e]; r0 += UP_ROWS) {
+    const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, p.start[e] + p.size[e] - r0));
+    const float* xr[UP_ROWS];
+    float* hr[UP_ROWS];
+    for (int r = 0; r < rows; ++r) {
+      xr[r] = p.x + static_cast<int64_t>(p.token[r0 + r]) * p.H;
+      hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
+    }
+    with_rows<UP_ROWS>(rows, [&](auto R) {
+      if (p.glu) up_tile<R(), true>(xr, panel, p.H, hr);
+      else up_tile<R(), false>(xr, panel, p.H, hr);
+    });
+  }
+}
+
+// Phase 2 item: y[:, PANEL_DN * c : + PANEL_DN] (columns < H) over every expert's pairs.
+void down_panel(const Problem& p, int64_t c, int64_t num_tokens) {
+  const int64_t c0 = c * PANEL_DN, width = std::min<int64_t>(PANEL_DN, p.H - c0);
+  for (int64_t n = 0; n < num_tokens; ++n) std::memset(p.y + n * p.H + c0, 0, width * sizeof(float));
+  for (int64_t e = 0; e < p.E; ++e) {
+    const float* panel = p.down + (e * (p.Hp / PANEL_DN) + c) * p.Fp * PANEL_DN;
+    for (int64_t r0 = p.start[e]; r0 < p.start[e] + p.size[e]; r0 += DN_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, p.start[e] + p.size[e] - r0));
+      const float* hr[DN_ROWS];
+      for (int r = 0; r < rows; ++r) hr[r] = p.hidden + (r0 + r) * p.Fp;
+      alignas(64) float out[DN_ROWS][PANEL_DN];
+      with_rows<DN_ROWS>(rows, [&](auto R) { down_tile<R()>(hr, panel, p.Fp, out); });
+      for (int r = 0; r < rows; ++r) {
+        float* yr = p.y + static_cast<int64_t>(p.token[r0 + r]) * p.H + c0;
+        const float w = p.weight[r0 + r];
+        for (int64_t i = 0; i < width; ++i) yr[i] += w * out[r][i];
+      }
+    }
+  }
+}
+
+// Runs fn(i) for i in [0, n) on the calling thread and up to num_threads helpers.
+struct Job {
+  std::function<void(int64_t)> fn;
+  int64_t n;
+  std::atomic<int64_t> next{0}, done{0};
+  void work() {
+    for (int64_t i; (i = next.fetch_add(1)) < n; ) {
+      fn(i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
+  if (n <= 0) return;
+  auto job = std::make_shared<Job>();
+  job->fn = std::move(fn);
+  job->n = n;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
+  job->work();
+  // Items claimed by helpers are running now; none can be waiting to start.
+  while (job->done.load(std::memory_order_acquire) < n) cpu_relax();
+}
+
+ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> token,
+                      ffi::Buffer<ffi::F32> weight, ffi::Buffer<ffi::S32> sizes, ffi::Buffer<ffi::F32> gate_up,
+                      ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ResultBuffer<ffi::F32> hidden) {
+  const auto gd = gate_up.dimensions(), dd = down.dimensions();
+  Problem p;
+  p.E = gd[0]; p.H = x.dimensions()[1]; p.Fp = gd[1] * PANEL_UP; p.Hp = dd[1] * PANEL_DN;
+  p.glu = gd[3] == 2 * PANEL_UP;
+  const int64_t num_tokens = x.dimensions()[0];
+  const int64_t pairs = token.dimensions()[0];
+  if (gd.size() != 4 || dd.size() != 4 || gd[2] != p.H || (gd[3] != PANEL_UP && !p.glu) || dd[0] != p.E ||
+      dd[2] != p.Fp || dd[3] != PANEL_DN || p.Hp < p.H || p.Hp - p.H >= PANEL_DN || sizes.dimensions()[0] != p.E ||
+      weight.dimensions()[0] != pairs || hidden->dimensions()[0] != pairs || hidden->dimensions()[1] != p.Fp)
+    return ffi::Error::InvalidArgument("atlas_moe_experts: shapes do not match the packed layout");
+  p.x = x.typed_data(); p.weight = weight.typed_data(); p.gate_up = gate_up.typed_data();
+  p.down = down.typed_data(); p.token = token.typed_data();
+  p.hidden = hidden->typed_data(); p.y = y->typed_data();
+  p.start.resize(p.E); p.size.resize(p.E);
+  int64_t total = 0;
+  for (int64_t e = 0; e < p.E; ++e) {
+    p.start[e] = total;
+    p.size[e] = std::max<int32_t>(sizes.typed_data()[e], 0);
+    total += p.size[e];
+  }
+  if (total > pairs) return ffi::Error::InvalidArgument("atlas_moe_experts: sizes exceed the pairs");
+  for (int64_t i = 0; i < total; ++i)
+    if (p.token[i] < 0 || p.token[i] >= num_tokens)
+      return ffi::Error::InvalidArgument("atlas_moe_experts: token index out of range");
+
+  std::vector<int64_t> used;
+  for (int64_t e = 0; e < p.E; ++e) if (p.size[e] > 0) used.push_back(e);
+  const int64_t up_panels = p.Fp / PANEL_UP;
+  parallel_for(pool, static_cast<int64_t>(used.size()) * up_panels,
+               [&](int64_t i) { up_panel(p, used[i / up_panels], i % up_panels); });
+  parallel_for(pool, p.Hp / PANEL_DN, [&](int64_t c) { down_panel(p, c, num_tokens); });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AtlasMoeExperts, MoeExperts,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [N, H]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // token [P]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // weight [P]
+                                  .Arg<ffi::Buffer<ffi::S32>>()   // sizes [E]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // gate_up, packed
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // down, packed
+                                  .Ret<ffi::Buffer<ffi::F32>>()   // y [N, H]
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // hidden [P, Fp] (scratch)
