@@ -7,6 +7,7 @@ its useful GFLOP/s (FLOPs of the k chosen experts only), plus the dense GEMM rat
 Every candidate's output is checked against the per-pair gather reference first.
 """
 import argparse
+import functools
 import json
 import time
 
@@ -17,8 +18,8 @@ import numpy as np
 from atlas_jax.layers import moe as moe_mod
 
 
-# ---- candidates measured beside the engine's dispatch (not used by the engine: slower here, see
-# ../shared/reference/cpu-performance.md) ----
+# ---- candidates measured beside the engine's dispatches (the blocked scan, the CPU kernel); the capacity
+# grid is not used by the engine: slower here, see ../shared/reference/cpu-performance.md ----
 def capacity_layout(ids, weights, num_experts: int, capacity: int):
     """The pairs grouped by expert into a static [E, C] grid (rows past C dropped: callers pick C >= the
     largest group). Returns (token [E*C] source row per cell (N = empty), weight [E*C] fp32)."""
@@ -65,7 +66,9 @@ def _experts_capacity(p, x, weights, ids):
 
 
 
-DISPATCHES = {"blocked": moe_mod._experts_blocked, "capacity": _experts_capacity}
+# name -> (experts fn, whether it takes the packed experts)
+DISPATCHES = {"blocked": (moe_mod._experts_blocked, False), "capacity": (_experts_capacity, False),
+              "cpu_kernel": (moe_mod._experts_cpu, True)}
 
 
 def _median_ms(fn, *args, reps=7):
@@ -91,6 +94,7 @@ def main():
     p = {name: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.03)
          for name, shape in (("gate", (e, h, f)), ("up", (e, h, f)), ("down", (e, f, h)))}
     router = jnp.asarray(rng.standard_normal((h, e), np.float32))
+    packed = jax.jit(moe_mod.pack_experts)(p) if moe_mod.cpu_kernel_applies(p) else None
     report = {"backend": jax.default_backend(), "experts": e, "top_k": k, "hidden": h, "inter": f, "rows": []}
     for n in (int(t) for t in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((n, h), np.float32))
@@ -98,12 +102,14 @@ def main():
         ref = moe_mod._experts_gather(p, x, weights, ids)
         row = {"tokens": n}
         useful = 2 * 3 * n * k * h * f
-        for name in DISPATCHES:
-            fn = jax.jit(lambda p, x, w, i, name=name: DISPATCHES[name](p, x, w, i))
-            out = fn(p, x, weights, ids)
+        for name, (experts, takes_packed) in DISPATCHES.items():
+            if takes_packed and packed is None:
+                continue                              # the CPU kernel does not apply here (backend, compiler)
+            fn = functools.partial(jax.jit(experts), packed if takes_packed else p)
+            out = fn(x, weights, ids)
             err = float(jnp.max(jnp.abs(out - ref)))
             assert err < 1e-3, (name, n, err)
-            ms = _median_ms(fn, p, x, weights, ids)
+            ms = _median_ms(fn, x, weights, ids)
             row[name] = {"ms": round(ms, 3), "useful_gflops": round(useful / ms / 1e6, 1)}
         w_dense = jnp.asarray(rng.standard_normal((h, 2 * f * k), np.float32))
         ms = _median_ms(jax.jit(lambda x, w: x @ w), x, w_dense)

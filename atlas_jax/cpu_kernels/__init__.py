@@ -18,11 +18,14 @@ import tempfile
 import threading
 
 import jax
+import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("moe_experts.cc",)
-_TARGETS = {"atlas_moe_experts": "AtlasMoeExperts"}      # FFI target name -> exported handler symbol
+_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc")
+_HEADERS = ("common.h",)
+_TARGETS = {"atlas_moe_experts": "AtlasMoeExperts",       # FFI target name -> exported handler symbol
+            "atlas_gdn_recurrent": "AtlasGdnRecurrent"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict = {}                                         # "ok": bool, "error": str
@@ -47,7 +50,7 @@ def _build(compiler: str) -> str:
     sources = [os.path.join(here, s) for s in _SOURCES]
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for path in sources:
+    for path in sources + [os.path.join(here, h) for h in _HEADERS]:
         with open(path, "rb") as f:
             key.update(f.read())
     key.update(jax.__version__.encode())
@@ -95,3 +98,33 @@ def available() -> bool:
 
 def unavailable_reason() -> str | None:
     return None if available() else _state.get("error")
+
+
+# ---- the custom calls (call `available()` first; shapes are checked again in C++) ----
+
+MOE_PANEL_UP, MOE_PANEL_DN = 32, 64          # moe_experts.cc's panel widths
+
+
+def moe_experts(x, token, weight, sizes, gate_up, down):
+    """Routed experts over packed panels (layers/moe.pack_experts). x [N, H] fp32; token [P] int32 = the
+    source row of each pair, sorted by expert; weight [P] fp32; sizes [E] int32 = pairs per expert.
+    Returns y [N, H] fp32 = sum over each token's pairs of weight * expert(x)."""
+    n, h = x.shape
+    pairs = token.shape[0]
+    f_padded = gate_up.shape[1] * MOE_PANEL_UP
+    out = (jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((pairs, f_padded), jnp.float32))
+    y, _ = jax.ffi.ffi_call("atlas_moe_experts", out)(x, token, weight, sizes, gate_up, down)
+    return y
+
+
+def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, delta_rule: bool = True):
+    """pallas_kernels.gdn.gdn_recurrent's contract on the CPU, the pool updated in place (aliased):
+    q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv] (fp32); h_pool [S, R, Hv, Dk, Dv] fp32;
+    slot, read_idx, q_len [B] int32; fresh [B] bool. Returns (o [B, T, Hv, Dv] fp32, h_pool)."""
+    f32 = lambda a: a.astype(jnp.float32)
+    i32 = lambda a: a.astype(jnp.int32)
+    b, t = q.shape[:2]
+    out = (jax.ShapeDtypeStruct((b, t) + v.shape[2:], jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, h_pool.dtype))
+    return jax.ffi.ffi_call("atlas_gdn_recurrent", out, input_output_aliases={5: 1})(
+        f32(q), f32(k), f32(v), f32(g), f32(beta), h_pool, i32(slot), i32(read_idx), i32(q_len), i32(fresh),
+        delta_rule=delta_rule)

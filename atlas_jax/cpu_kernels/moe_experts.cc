@@ -10,21 +10,17 @@
 // thread works too and waits only for items already claimed, so it can never wait on a task that has
 // not started (no deadlock when the pool is busy).
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <memory>
-#include <thread>
 #include <type_traits>
 #include <vector>
 
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
+
+using atlas::parallel_for;
 
 // Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
 // row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
@@ -46,14 +42,6 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#else
-  std::this_thread::yield();
-#endif
-}
 
 inline float activate(bool glu, float g, float u) {
   if (glu) return g / (1.0f + std::exp(-g)) * u;     // silu(gate) * up
@@ -170,31 +158,6 @@ void down_panel(const Problem& p, int64_t c, int64_t num_tokens) {
       }
     }
   }
-}
-
-// Runs fn(i) for i in [0, n) on the calling thread and up to num_threads helpers.
-struct Job {
-  std::function<void(int64_t)> fn;
-  int64_t n;
-  std::atomic<int64_t> next{0}, done{0};
-  void work() {
-    for (int64_t i; (i = next.fetch_add(1)) < n; ) {
-      fn(i);
-      done.fetch_add(1, std::memory_order_release);
-    }
-  }
-};
-
-void parallel_for(ffi::ThreadPool& pool, int64_t n, std::function<void(int64_t)> fn) {
-  if (n <= 0) return;
-  auto job = std::make_shared<Job>();
-  job->fn = std::move(fn);
-  job->n = n;
-  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads() - 1, 0), n - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->work(); });
-  job->work();
-  // Items claimed by helpers are running now; none can be waiting to start.
-  while (job->done.load(std::memory_order_acquire) < n) cpu_relax();
 }
 
 ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S32> token,

@@ -19,7 +19,7 @@ def _knob(default, help: str, *, choices=None, flag: str | None = None):
 class EngineArgs:
     model: str | None = _knob(None, "HF checkpoint directory (default: the shipped atlas-tiny model)")
     dtype: str = _knob("auto", "auto (bf16 on accelerators, fp32 on CPU), bfloat16, float32")
-    kernels: str = _knob("auto", "attention / GDN / MoE implementation: auto (Pallas on GPU), xla, pallas",
+    kernels: str = _knob("auto", "attention / GDN / MoE implementation: auto (Pallas on GPU, C++ custom calls on CPU), xla, pallas",
                          choices=KERNELS)
     page_size: int = _knob(16, "tokens per KV page")
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")

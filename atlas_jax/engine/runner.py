@@ -78,7 +78,7 @@ class ModelRunner:
         """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
         on every adaptable projection, and an adapter column in every step."""
         self.cfg = cfg
-        self.params = pack_params(params)          # MoE experts in the CPU kernel's layout where it applies
+        self.params = pack_params(params) if kernels.cpu else params     # MoE experts in the CPU kernel's layout
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_slots

@@ -8,7 +8,8 @@ update is S = S * exp(g_t) + beta_t k_t v_t^T: Mamba2's SSD with k = B, q = C, v
 g = dt * A, key heads = B/C groups. Decode-sized chunks run it token by token (`recurrent`);
 longer chunks use the chunked form (`chunked`: WY with the delta rule, plain SSD without). A token
 with g = 0 and beta = 0 leaves S unchanged: that is how padding columns stay inert. With Pallas
-kernels (`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under the same state contract.
+kernels (`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under the same state contract,
+and with `kernels.cpu` decode / verify-sized chunks run cpu_kernels/gdn_recurrent.cc (same contract).
 `mix` is the sequence-local part both mixers share: causal conv (+ conv state), the recurrence, and
 the state pools' write-back.
 """
@@ -17,6 +18,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import gdn as pallas_gdn
 
+from .. import cpu_kernels
 from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
 from .lora import project
@@ -217,6 +219,9 @@ def mix(mixed, ssm, batch, conv_w, prepare, kernels: Kernels = XLA, conv_b=None,
 
     if kernels.pallas and (kernels.interpret or pallas_gdn.supported(q.shape[-1], v.shape[-1])):
         o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret, delta_rule)
+    elif kernels.cpu and t <= RECURRENT_MAX_T and h_pool.dtype == jnp.float32 and cpu_kernels.available():
+        o, h_pool = cpu_kernels.gdn_recurrent(q, k, v, g, beta, h_pool, batch.slot, batch.state_idx, batch.q_len,
+                                              fresh, delta_rule)     # in place: no slot gather / scatter
     else:
         r = v.shape[2] // q.shape[2]
         q = jnp.repeat(q, r, axis=2)            # key head i serves value heads i*r..i*r+r-1

@@ -8,7 +8,7 @@ shared expert has a sigmoid gate when `shared_gate` is present (Qwen3-Next / Qwe
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
 sorted by expert and run by one of five dispatches. Packed experts (`pack_params`, done once by the
-ModelRunner on CPU when `atlas_jax.cpu_kernels` builds) always take:
+ModelRunner under Kernels.cpu, the CPU default when `atlas_jax.cpu_kernels` builds) always take:
   * "cpu"     (XLA:CPU custom call, cpu_kernels/moe_experts.cc): each expert's panels read in place,
     only routed experts read; 2-4x the blocked scan at 1-2048 tokens (scripts/bench_moe.py).
 The others take the checkpoint's [E, H, F] layout; `dispatch_for` chooses among them (the one place
@@ -179,7 +179,7 @@ def _experts_blocked(p, x, weights, ids):
     return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
 
 
-PANEL_UP, PANEL_DN = 32, 64          # the CPU kernel's panel widths (cpu_kernels/moe_experts.cc)
+PANEL_UP, PANEL_DN = cpu_kernels.MOE_PANEL_UP, cpu_kernels.MOE_PANEL_DN
 
 
 def pack_experts(experts: dict) -> dict:
@@ -221,14 +221,10 @@ def pack_params(params):
 def _experts_cpu(p, x, weights, ids):
     """Packed experts through the CPU custom call; x [N, H] fp32."""
     cpu_kernels.available()                                    # registers the target (built once)
-    n, k = ids.shape
-    e, f_panels = p["gate_up"].shape[:2]
-    order, _, sizes = _sort_pairs(ids, e)
-    out = (jax.ShapeDtypeStruct((n, x.shape[1]), jnp.float32),
-           jax.ShapeDtypeStruct((n * k, f_panels * PANEL_UP), jnp.float32))     # y, hidden (scratch)
-    y, _ = jax.ffi.ffi_call("atlas_moe_experts", out)(
-        x.astype(jnp.float32), (order // k).astype(jnp.int32), weights.reshape(-1)[order].astype(jnp.float32),
-        sizes, p["gate_up"], p["down"])
+    k = ids.shape[1]
+    order, _, sizes = _sort_pairs(ids, p["gate_up"].shape[0])
+    y = cpu_kernels.moe_experts(x.astype(jnp.float32), (order // k).astype(jnp.int32),
+                                weights.reshape(-1)[order].astype(jnp.float32), sizes, p["gate_up"], p["down"])
     return y.astype(x.dtype)
 
 

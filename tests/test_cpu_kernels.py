@@ -1,0 +1,69 @@
+"""The CPU custom calls (atlas_jax/cpu_kernels): the GDN / Mamba2 recurrence against the Pallas
+kernels' jnp reference (the contract both implement) over many shapes, its pool updated in place,
+and the engine choosing them by default on CPU. The MoE kernel's tests are in test_moe.py."""
+import re
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from budget import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_pallas_gdn import _inputs, _rows
+
+from atlas_jax import cpu_kernels
+from atlas_jax.kernels import CPU, XLA, resolve_kernels
+from pallas_kernels import gdn as pallas_gdn
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
+TOL = dict(atol=2e-5, rtol=2e-5)
+recurrent = jax.jit(cpu_kernels.gdn_recurrent, static_argnames="delta_rule")
+
+
+def test_built_where_a_compiler_is_and_chosen_by_default():
+    if shutil.which("g++") or shutil.which("c++"):
+        assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+    assert resolve_kernels("auto") == CPU and resolve_kernels("xla") == XLA
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(t=st.sampled_from([1, 2, 5, 16]), ratio=st.sampled_from([1, 2, 4]), dk=st.sampled_from([8, 16, 64]),
+       dv=st.sampled_from([8, 24, 64]), positions=st.sampled_from([1, 2, 4]), b=st.integers(1, 6),
+       delta_rule=st.booleans(), seed=st.integers(0, 10_000))
+def test_recurrence_matches_reference(t, ratio, dk, dv, positions, b, delta_rule, seed):
+    """Decode (t = 1) and verify chunks, rows that are padding (q_len 0, slot out of range), fresh or
+    reading a later state position, GQA ratios; outputs and every pool position."""
+    rng = np.random.default_rng(seed)
+    num_slots, hk = 7, 2
+    q, k, v, g, beta, pool = _inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
+    rows = _rows(rng, b, t, num_slots, positions)
+    o_ref, pool_ref = pallas_gdn.reference(q, k, v, g, beta, pool.copy(), *rows, delta_rule=delta_rule)
+    o, pool_out = recurrent(q, k, v, g, beta, pool.copy(), *rows, delta_rule=delta_rule)
+    np.testing.assert_allclose(o, o_ref, **TOL)
+    np.testing.assert_allclose(pool_out, pool_ref, **TOL)
+
+
+def test_live_slot_with_no_tokens_keeps_its_state():
+    rng = np.random.default_rng(3)
+    q, k, v, g, beta, pool = _inputs(rng, 2, 3, 1, 2, 8, 8, 4, 2)
+    rows = (jnp.array([1, 2]), jnp.array([1, 0]), jnp.array([0, 3]), jnp.array([False, False]))
+    o, out = recurrent(q, k, v, g, beta, pool.copy(), *rows)
+    np.testing.assert_array_equal(out[1], pool[1])
+    assert np.all(np.asarray(o[0]) == 0)
+    assert not np.allclose(out[2], pool[2])
+
+
+def test_pool_updated_in_place():
+    """Donated, the pool is aliased through the custom call: no copy of it in the compiled program."""
+    rng = np.random.default_rng(4)
+    q, k, v, g, beta, pool = _inputs(rng, 3, 1, 2, 4, 16, 16, 64, 1)
+    rows = _rows(rng, 3, 1, 64, 1)
+    step = jax.jit(lambda pool, *a: cpu_kernels.gdn_recurrent(*a[:5], pool, *a[5:])[::-1], donate_argnums=0)
+    text = step.lower(pool, q, k, v, g, beta, *rows).compile().as_text()
+    shape = "f32[64,1,4,16,16]"
+    assert not [ln for ln in text.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* copy\(", ln)]
+    pool_ptr = pool.unsafe_buffer_pointer()
+    new_pool, _ = step(pool, q, k, v, g, beta, *rows)
+    assert new_pool.unsafe_buffer_pointer() == pool_ptr
