@@ -1,6 +1,7 @@
 """The CPU custom calls (atlas_jax/cpu_kernels): the GDN / Mamba2 recurrence against the Pallas
 kernels' jnp reference (the contract both implement) over many shapes, its pool updated in place,
-and the engine choosing them by default on CPU. The MoE kernel's tests are in test_moe.py."""
+dense projections vs float64, and the engine choosing them by default on CPU. The MoE kernel's tests are in
+test_moe.py."""
 import re
 import shutil
 
@@ -15,6 +16,7 @@ from test_pallas_gdn import _inputs, _rows
 
 from atlas_jax import cpu_kernels
 from atlas_jax.kernels import CPU, XLA, resolve_kernels
+from atlas_jax.layers import linear
 from pallas_kernels import gdn as pallas_gdn
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
@@ -67,3 +69,31 @@ def test_pool_updated_in_place():
     pool_ptr = pool.unsafe_buffer_pointer()
     new_pool, _ = step(pool, q, k, v, g, beta, *rows)
     assert new_pool.unsafe_buffer_pointer() == pool_ptr
+
+
+@settings(max_examples=examples(30), deadline=None)
+@given(m=st.integers(1, 70), k=st.integers(1, 200), n=st.integers(64, 300), seed=st.integers(0, 10_000))
+def test_linear_matches_float64(m, k, n, seed):
+    """Rows that fill and do not fill the row tiles and blocks, output widths with a partial last panel."""
+    rng = np.random.default_rng(seed)
+    x, w = rng.standard_normal((m, k)), rng.standard_normal((k, n))
+    packed = linear.pack_linear(jnp.asarray(w, jnp.float32))
+    y = jax.jit(lambda x, w: x @ w)(jnp.asarray(x, jnp.float32), packed)
+    assert y.shape == (m, n) and packed.shape == (k, n)
+    np.testing.assert_allclose(y, x @ w, atol=1e-4 * np.sqrt(k), rtol=1e-4)
+
+
+def test_pack_linears_packs_projections_only():
+    p = {"embed": jnp.ones((10, 16)), "lm_head": jnp.ones((16, 100)),
+         "layers": [{"attn": {"q": jnp.ones((16, 128)), "k": jnp.ones((16, 8)), "q_norm": jnp.ones(16)},
+                     "moe": {"router": jnp.ones((16, 64)), "shared": {"up": jnp.ones((16, 64))},
+                             "shared_gate": jnp.ones((16, 1))}}]}
+    packed = linear.pack_linears(p)
+    lay = packed["layers"][0]
+    assert isinstance(packed["lm_head"], linear.PackedLinear) and isinstance(lay["attn"]["q"], linear.PackedLinear)
+    assert isinstance(lay["moe"]["shared"]["up"], linear.PackedLinear)
+    for kept in (packed["embed"], lay["attn"]["k"], lay["attn"]["q_norm"], lay["moe"]["router"],
+                 lay["moe"]["shared_gate"]):
+        assert isinstance(kept, jax.Array)
+    x = jnp.ones((2, 3, 16))
+    np.testing.assert_array_equal(x @ lay["attn"]["q"], x @ p["layers"][0]["attn"]["q"])

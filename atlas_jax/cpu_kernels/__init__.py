@@ -22,10 +22,10 @@ import jax.numpy as jnp
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc")
-_HEADERS = ("common.h",)
+_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "linear.cc")
+_HEADERS = ("common.h", "tiles.h")
 _TARGETS = {"atlas_moe_experts": "AtlasMoeExperts",       # FFI target name -> exported handler symbol
-            "atlas_gdn_recurrent": "AtlasGdnRecurrent"}
+            "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_linear": "AtlasLinear"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict = {}                                         # "ok": bool, "error": str
@@ -102,7 +102,14 @@ def unavailable_reason() -> str | None:
 
 # ---- the custom calls (call `available()` first; shapes are checked again in C++) ----
 
-MOE_PANEL_UP, MOE_PANEL_DN = 32, 64          # moe_experts.cc's panel widths
+MOE_PANEL_UP, MOE_PANEL_DN = 32, 64          # tiles.h's panel widths
+LINEAR_PANEL = 64
+
+
+def linear(x, panels, n: int):
+    """x [M, K] fp32 @ a weight [K, n] packed as panels [ceil(n / 64), K, 64] (zero-padded) -> [M, n] fp32."""
+    out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
+    return jax.ffi.ffi_call("atlas_linear", out)(x, panels)
 
 
 def moe_experts(x, token, weight, sizes, gate_up, down):

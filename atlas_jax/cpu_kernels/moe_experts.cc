@@ -6,9 +6,12 @@
 // no gather, no copy, and only experts with pairs are read (decode reads its k experts).
 //   phase 1: hidden[p, :] = act(x[token[p]] @ gate_e, x[token[p]] @ up_e)   items: (expert, panel)
 //   phase 2: y[:, c] = sum_p weight[p] * hidden[p] @ down_e[:, c]          items: output panels of y
-// Items of a phase write disjoint memory, so they run on XLA's intra-op pool without locks; the calling
-// thread works too and waits only for items already claimed, so it can never wait on a task that has
-// not started (no deadlock when the pool is busy).
+// Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
+// row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
+//   gate_up [E, Fp / PANEL_UP, H, 2 * PANEL_UP] (SwiGLU: gate | up) or [E, Fp / PANEL_UP, H, PANEL_UP] (relu2: up)
+//   down    [E, Hp / PANEL_DN, Fp, PANEL_DN]
+// Each tile streams one contiguous panel; row tiles of an expert re-read it from L1/L2. Items of a phase
+// write disjoint memory, so they run in parallel without locks (common.h: parallel_for).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -16,32 +19,11 @@
 #include <type_traits>
 #include <vector>
 
-#include "common.h"
+#include "tiles.h"
 
 namespace {
 
-using atlas::parallel_for;
-
-// Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
-// row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
-//   gate_up [E, Fp / PANEL_UP, H, 2 * PANEL_UP] (SwiGLU: gate | up) or [E, Fp / PANEL_UP, H, PANEL_UP] (relu2: up)
-//   down    [E, Hp / PANEL_DN, Fp, PANEL_DN]
-// Each tile streams one contiguous panel; row tiles of an expert re-read it from L1/L2.
-constexpr int PANEL_UP = 32, PANEL_DN = 64;
-#ifdef __AVX512F__
-constexpr int VW = 16;                      // floats per vector register (32 registers)
-constexpr int UP_ROWS = 6, UP_VECS = 2;     // 6 rows x 2 vectors x (gate, up) accumulators per pass
-constexpr int DN_ROWS = 6, DN_VECS = 4;
-#else
-constexpr int VW = 8;                       // AVX2: 16 registers
-constexpr int UP_ROWS = 3, UP_VECS = 2;
-constexpr int DN_ROWS = 6, DN_VECS = 2;
-#endif
-static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
-typedef float vf __attribute__((vector_size(VW * 4)));
-
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+using namespace atlas;
 
 inline float activate(bool glu, float g, float u) {
   if (glu) return g / (1.0f + std::exp(-g)) * u;     // silu(gate) * up
@@ -74,40 +56,6 @@ void up_tile(const float* const* xr, const float* panel, int64_t H, float* const
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < UP_VECS; ++v)
         for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
-  }
-}
-
-// out[r][0 : PANEL_DN] = hr[r][0 : Fp] @ down panel [Fp, PANEL_DN].
-template <int R>
-void down_tile(const float* const* hr, const float* panel, int64_t Fp, float (*out)[PANEL_DN]) {
-  for (int pass = 0; pass < PANEL_DN / (VW * DN_VECS); ++pass) {
-    const int off = pass * VW * DN_VECS;
-    vf acc[R][DN_VECS] = {};
-    const float* w = panel + off;
-    for (int64_t k = 0; k < Fp; ++k, w += PANEL_DN) {
-      vf dv[DN_VECS];
-      for (int v = 0; v < DN_VECS; ++v) dv[v] = load(w + v * VW);
-      for (int r = 0; r < R; ++r) {
-        const float b = hr[r][k];
-        for (int v = 0; v < DN_VECS; ++v) acc[r][v] += b * dv[v];
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < DN_VECS; ++v) store(out[r] + off + v * VW, acc[r][v]);
-  }
-}
-
-// fn(std::integral_constant<int, R>) for the run-time row count rows in [1, ROWS].
-template <int ROWS, typename Fn>
-void with_rows(int rows, Fn&& fn) {
-  static_assert(ROWS <= 6);
-  switch (rows) {
-    case 1: fn(std::integral_constant<int, 1>{}); break;
-    case 2: if constexpr (ROWS >= 2) fn(std::integral_constant<int, 2>{}); break;
-    case 3: if constexpr (ROWS >= 3) fn(std::integral_constant<int, 3>{}); break;
-    case 4: if constexpr (ROWS >= 4) fn(std::integral_constant<int, 4>{}); break;
-    case 5: if constexpr (ROWS >= 5) fn(std::integral_constant<int, 5>{}); break;
-    case 6: if constexpr (ROWS >= 6) fn(std::integral_constant<int, 6>{}); break;
   }
 }
 
@@ -150,7 +98,7 @@ void down_panel(const Problem& p, int64_t c, int64_t num_tokens) {
       const float* hr[DN_ROWS];
       for (int r = 0; r < rows; ++r) hr[r] = p.hidden + (r0 + r) * p.Fp;
       alignas(64) float out[DN_ROWS][PANEL_DN];
-      with_rows<DN_ROWS>(rows, [&](auto R) { down_tile<R()>(hr, panel, p.Fp, out); });
+      with_rows<DN_ROWS>(rows, [&](auto R) { panel_tile<R()>(hr, panel, p.Fp, out); });
       for (int r = 0; r < rows; ++r) {
         float* yr = p.y + static_cast<int64_t>(p.token[r0 + r]) * p.H + c0;
         const float w = p.weight[r0 + r];

@@ -23,6 +23,7 @@ import numpy as np
 from ..batch import StepBatch
 from ..config import ModelConfig
 from ..kernels import XLA, Kernels
+from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_snapshots, init_state
@@ -78,7 +79,8 @@ class ModelRunner:
         """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
         on every adaptable projection, and an adapter column in every step."""
         self.cfg = cfg
-        self.params = pack_params(params) if kernels.cpu else params     # MoE experts in the CPU kernel's layout
+        # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
+        self.params = pack_linears(pack_params(params)) if kernels.cpu else params
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_slots

@@ -17,6 +17,7 @@ from ..config import FULL_ATTENTION, LINEAR_ATTENTION, MAMBA, MOE, NONE, RECURRE
 from ..kernels import XLA, Kernels
 from ..layers.attention import attention_layer
 from ..layers.gdn import gdn_layer
+from ..layers.linear import PackedLinear
 from ..layers.mamba2 import mamba2_layer
 from ..layers.mlp import mlp
 from ..layers.moe import SOFTMAX, Routing, moe
@@ -59,6 +60,8 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
 
 def lm_head(params, x):
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    if isinstance(w, PackedLinear):                  # the CPU custom call (fp32 throughout)
+        return x @ w
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 

@@ -1,0 +1,51 @@
+// Dense projection y [M, N] = x [M, K] @ W [K, N] over W packed in panels of PANEL_DN output columns
+// (atlas_linear; layers/linear.pack_linear): panels [ceil(N / 64), K, 64], zero-padded, each panel
+// contiguous so a tile streams it front to back (XLA:CPU's dot reads W row-strided). Items are
+// (panel, block of up to BLOCK_ROWS rows): a panel stays in L2 while its row tiles re-read it.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "tiles.h"
+
+namespace {
+
+using namespace atlas;
+
+constexpr int64_t BLOCK_ROWS = 8 * DN_ROWS;
+
+ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
+                  ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] || pd[2] != PANEL_DN ||
+      yd[0] != xd[0] || yd[1] > pd[0] * PANEL_DN || yd[1] <= (pd[0] - 1) * PANEL_DN)
+    return ffi::Error::InvalidArgument("atlas_linear: shapes do not match the packed layout");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], num_panels = pd[0];
+  const float* xs = x.typed_data();
+  const float* ws = panels.typed_data();
+  float* ys = y->typed_data();
+  const int64_t blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  parallel_for(pool, num_panels * blocks, [&](int64_t item) {
+    const int64_t j = item / blocks, m_end = std::min(M, (item % blocks + 1) * BLOCK_ROWS);
+    const float* panel = ws + j * K * PANEL_DN;
+    const int64_t c0 = j * PANEL_DN, width = std::min<int64_t>(PANEL_DN, N - c0);
+    for (int64_t r0 = (item % blocks) * BLOCK_ROWS; r0 < m_end; r0 += DN_ROWS) {
+      const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, m_end - r0));
+      const float* xr[DN_ROWS];
+      for (int r = 0; r < rows; ++r) xr[r] = xs + (r0 + r) * K;
+      alignas(64) float out[DN_ROWS][PANEL_DN];
+      with_rows<DN_ROWS>(rows, [&](auto R) { panel_tile<R()>(xr, panel, K, out); });
+      for (int r = 0; r < rows; ++r) std::memcpy(ys + (r0 + r) * N + c0, out[r], width * sizeof(float));
+    }
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AtlasLinear, Linear,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // panels [ceil(N / 64), K, 64]
+                                  .Ret<ffi::Buffer<ffi::F32>>()); // y [M, N]

@@ -1,0 +1,63 @@
+// Register tiles of the CPU GEMM kernels: R rows of activations times a packed weight panel, with the
+// vector width and tile sizes of the instruction set the library is compiled for (-march=native).
+#pragma once
+
+#include <cstring>
+#include <type_traits>
+
+#include "common.h"
+
+namespace atlas {
+
+// Panel widths of the packed weights (PANEL_DN also of the dense linear kernel's panels).
+constexpr int PANEL_UP = 32, PANEL_DN = 64;
+#ifdef __AVX512F__
+constexpr int VW = 16;                      // floats per vector register (32 registers)
+constexpr int UP_ROWS = 6, UP_VECS = 2;     // 6 rows x 2 vectors x (gate, up) accumulators per pass
+constexpr int DN_ROWS = 6, DN_VECS = 4;
+#else
+constexpr int VW = 8;                       // AVX2: 16 registers
+constexpr int UP_ROWS = 3, UP_VECS = 2;
+constexpr int DN_ROWS = 6, DN_VECS = 2;
+#endif
+static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
+typedef float vf __attribute__((vector_size(VW * 4)));
+
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// out[r][0 : PANEL_DN] = hr[r][0 : K] @ panel [K, PANEL_DN] (a packed weight panel, rows contiguous).
+template <int R>
+void panel_tile(const float* const* hr, const float* panel, int64_t K, float (*out)[PANEL_DN]) {
+  for (int pass = 0; pass < PANEL_DN / (VW * DN_VECS); ++pass) {
+    const int off = pass * VW * DN_VECS;
+    vf acc[R][DN_VECS] = {};
+    const float* w = panel + off;
+    for (int64_t k = 0; k < K; ++k, w += PANEL_DN) {
+      vf dv[DN_VECS];
+      for (int v = 0; v < DN_VECS; ++v) dv[v] = load(w + v * VW);
+      for (int r = 0; r < R; ++r) {
+        const float b = hr[r][k];
+        for (int v = 0; v < DN_VECS; ++v) acc[r][v] += b * dv[v];
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < DN_VECS; ++v) store(out[r] + off + v * VW, acc[r][v]);
+  }
+}
+
+// fn(std::integral_constant<int, R>) for the run-time row count rows in [1, ROWS].
+template <int ROWS, typename Fn>
+void with_rows(int rows, Fn&& fn) {
+  static_assert(ROWS <= 6);
+  switch (rows) {
+    case 1: fn(std::integral_constant<int, 1>{}); break;
+    case 2: if constexpr (ROWS >= 2) fn(std::integral_constant<int, 2>{}); break;
+    case 3: if constexpr (ROWS >= 3) fn(std::integral_constant<int, 3>{}); break;
+    case 4: if constexpr (ROWS >= 4) fn(std::integral_constant<int, 4>{}); break;
+    case 5: if constexpr (ROWS >= 5) fn(std::integral_constant<int, 5>{}); break;
+    case 6: if constexpr (ROWS >= 6) fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+}  // namespace atlas

@@ -1,0 +1,69 @@
+"""Dense projections through the CPU custom call (cpu_kernels/linear.cc) over packed weights.
+
+`PackedLinear` stands in for a [K, N] weight in the param tree: `x @ w` (every projection is written
+that way: layers/lora.project, the lm_head, MTP's fc) dispatches to it through `__rmatmul__`, so the
+layers stay unchanged. `pack_linears` packs the projections of every layer and the lm_head once, in
+the ModelRunner under Kernels.cpu; weights of other shapes or dtypes stay plain arrays.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from .. import cpu_kernels
+
+PANEL = cpu_kernels.LINEAR_PANEL
+# param keys that are [in, out] projections applied as x @ w (layers/*, models/mtp.py, decoder.lm_head)
+PROJECTIONS = frozenset({"q", "k", "v", "o", "qkvz", "qkv", "z", "out", "in_proj", "gate", "up", "down",
+                         "latent_in", "latent_out", "fc", "lm_head"})
+MIN_OUT = PANEL          # narrower outputs (routers, gates) would be mostly padding: XLA keeps them
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedLinear:
+    panels: jax.Array                                            # [ceil(N / 64), K, 64], zero-padded
+    out_features: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.panels.shape[1], self.out_features)
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def ndim(self) -> int:
+        return 2
+
+    def __rmatmul__(self, x):
+        y = cpu_kernels.linear(x.reshape(-1, x.shape[-1]).astype(jnp.float32), self.panels, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features).astype(x.dtype)
+
+
+def pack_linear(w) -> PackedLinear:
+    k, n = w.shape
+    padded = -(-n // PANEL) * PANEL
+    panels = jnp.pad(w, ((0, 0), (0, padded - n))).reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2)
+    return PackedLinear(panels, n)
+
+
+def packs(key, w) -> bool:
+    return (key in PROJECTIONS and isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32
+            and w.shape[1] >= MIN_OUT and jax.default_backend() == "cpu" and cpu_kernels.available())
+
+
+def pack_linears(params):
+    """params with every projection packed (see `packs`); the packed arrays replace the originals."""
+    pack = jax.jit(pack_linear)
+
+    def walk(node):
+        if isinstance(node, dict):
+            return {k: pack(v) if packs(k, v) else walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+    return walk(params)
