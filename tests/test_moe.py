@@ -97,7 +97,7 @@ cpu_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 
 @cpu_kernel
-@settings(max_examples=examples(24), deadline=None)
+@settings(max_examples=examples(18), deadline=None)
 @given(n=st.integers(1, 70), h=st.sampled_from([16, 24, 64, 72, 136]), f=st.sampled_from([8, 24, 32, 48, 96]),
        e=st.integers(1, 12), k=st.integers(1, 4), glu=st.booleans(), shared=st.booleans(), seed=st.integers(0, 999))
 def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
