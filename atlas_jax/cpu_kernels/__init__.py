@@ -103,7 +103,7 @@ def unavailable_reason() -> str | None:
 # ---- the custom calls (call `available()` first; shapes are checked again in C++) ----
 
 MOE_PANEL_UP, MOE_PANEL_DN = 32, 64          # tiles.h's panel widths
-LINEAR_PANEL = 64
+LINEAR_PANEL = MOE_PANEL_DN
 
 
 def linear(x, panels, n: int):

@@ -29,14 +29,8 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
     const int64_t j = item / blocks, m_end = std::min(M, (item % blocks + 1) * BLOCK_ROWS);
     const float* panel = ws + j * K * PANEL_DN;
     const int64_t c0 = j * PANEL_DN, width = std::min<int64_t>(PANEL_DN, N - c0);
-    for (int64_t r0 = (item % blocks) * BLOCK_ROWS; r0 < m_end; r0 += DN_ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, m_end - r0));
-      const float* xr[DN_ROWS];
-      for (int r = 0; r < rows; ++r) xr[r] = xs + (r0 + r) * K;
-      alignas(64) float out[DN_ROWS][PANEL_DN];
-      with_rows<DN_ROWS>(rows, [&](auto R) { panel_tile<R()>(xr, panel, K, out); });
-      for (int r = 0; r < rows; ++r) std::memcpy(ys + (r0 + r) * N + c0, out[r], width * sizeof(float));
-    }
+    panel_rows(xs, K, (item % blocks) * BLOCK_ROWS, m_end, panel,
+               [&](int64_t m, const float* out) { std::memcpy(ys + m * N + c0, out, width * sizeof(float)); });
   });
   return ffi::Error::Success();
 }

@@ -93,18 +93,11 @@ void down_panel(const Problem& p, int64_t c, int64_t num_tokens) {
   for (int64_t n = 0; n < num_tokens; ++n) std::memset(p.y + n * p.H + c0, 0, width * sizeof(float));
   for (int64_t e = 0; e < p.E; ++e) {
     const float* panel = p.down + (e * (p.Hp / PANEL_DN) + c) * p.Fp * PANEL_DN;
-    for (int64_t r0 = p.start[e]; r0 < p.start[e] + p.size[e]; r0 += DN_ROWS) {
-      const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, p.start[e] + p.size[e] - r0));
-      const float* hr[DN_ROWS];
-      for (int r = 0; r < rows; ++r) hr[r] = p.hidden + (r0 + r) * p.Fp;
-      alignas(64) float out[DN_ROWS][PANEL_DN];
-      with_rows<DN_ROWS>(rows, [&](auto R) { panel_tile<R()>(hr, panel, p.Fp, out); });
-      for (int r = 0; r < rows; ++r) {
-        float* yr = p.y + static_cast<int64_t>(p.token[r0 + r]) * p.H + c0;
-        const float w = p.weight[r0 + r];
-        for (int64_t i = 0; i < width; ++i) yr[i] += w * out[r][i];
-      }
-    }
+    panel_rows(p.hidden, p.Fp, p.start[e], p.start[e] + p.size[e], panel, [&](int64_t pair, const float* out) {
+      float* yr = p.y + static_cast<int64_t>(p.token[pair]) * p.H + c0;
+      const float w = p.weight[pair];
+      for (int64_t i = 0; i < width; ++i) yr[i] += w * out[i];
+    });
   }
 }
 

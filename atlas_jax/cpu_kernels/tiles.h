@@ -2,6 +2,8 @@
 // vector width and tile sizes of the instruction set the library is compiled for (-march=native).
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -57,6 +59,20 @@ void with_rows(int rows, Fn&& fn) {
     case 4: if constexpr (ROWS >= 4) fn(std::integral_constant<int, 4>{}); break;
     case 5: if constexpr (ROWS >= 5) fn(std::integral_constant<int, 5>{}); break;
     case 6: if constexpr (ROWS >= 6) fn(std::integral_constant<int, 6>{}); break;
+  }
+}
+
+// Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN], DN_ROWS rows a tile;
+// emit(r, out_row) receives each row's PANEL_DN results.
+template <typename Emit>
+void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const float* panel, Emit&& emit) {
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += DN_ROWS) {
+    const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, r_end - r0));
+    const float* ar[DN_ROWS];
+    for (int r = 0; r < rows; ++r) ar[r] = a + (r0 + r) * K;
+    alignas(64) float out[DN_ROWS][PANEL_DN];
+    with_rows<DN_ROWS>(rows, [&](auto R) { panel_tile<R()>(ar, panel, K, out); });
+    for (int r = 0; r < rows; ++r) emit(r0 + r, out[r]);
   }
 }
 

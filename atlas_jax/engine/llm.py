@@ -85,7 +85,7 @@ class LLM:
             lora=dict(max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
             if a.enable_lora else None)
         self.runner = self.engine.runner
-        self.params = self.runner.params        # as the steps use them (MoE experts packed on CPU)
+        self.params = self.runner.params        # as the steps use them (packed for the CPU kernels)
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0
 
     @classmethod

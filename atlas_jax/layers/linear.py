@@ -56,14 +56,18 @@ def packs(key, w) -> bool:
             and w.shape[1] >= MIN_OUT and jax.default_backend() == "cpu" and cpu_kernels.available())
 
 
-def pack_linears(params):
-    """params with every projection packed (see `packs`); the packed arrays replace the originals."""
-    pack = jax.jit(pack_linear)
-
+def replace_params(params, applies, replace):
+    """params with every dict entry (key, value) for which applies(key, value) holds replaced by
+    replace(value) (not descended into); the rest of the tree rebuilt around the same leaves."""
     def walk(node):
         if isinstance(node, dict):
-            return {k: pack(v) if packs(k, v) else walk(v) for k, v in node.items()}
+            return {k: replace(v) if applies(k, v) else walk(v) for k, v in node.items()}
         if isinstance(node, (list, tuple)):
             return type(node)(walk(v) for v in node)
         return node
     return walk(params)
+
+
+def pack_linears(params):
+    """params with every projection packed (see `packs`); the packed arrays replace the originals."""
+    return replace_params(params, packs, jax.jit(pack_linear))

@@ -33,6 +33,7 @@ from pallas_kernels import grouped_matmul as pallas_gmm
 
 from .. import cpu_kernels
 from ..kernels import XLA, Kernels
+from .linear import replace_params
 from .mlp import mlp
 
 
@@ -206,16 +207,8 @@ def cpu_kernel_applies(experts: dict) -> bool:
 def pack_params(params):
     """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel when it applies;
     params unchanged otherwise. The packed arrays replace the originals (no second copy is kept)."""
-    pack = jax.jit(pack_experts)
-
-    def walk(node):
-        if isinstance(node, dict):
-            return {k: pack(v) if k == "experts" and isinstance(v, dict) and "up" in v and cpu_kernel_applies(v)
-                    else walk(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return node
-    return walk(params)
+    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and cpu_kernel_applies(v)
+    return replace_params(params, applies, jax.jit(pack_experts))
 
 
 def _experts_cpu(p, x, weights, ids):
