@@ -377,6 +377,9 @@ def test_non_streaming_request_is_aborted_when_its_client_leaves(live, default_l
     aborted = []
     real = engine.abort_nowait
     monkeypatch.setattr(engine, "abort_nowait", lambda rid, reason="abort": (aborted.append(rid), real(rid, reason)))
+    step = engine.engine.step
+    # paced: 16 x 120 tokens at 8 rows take >= 240 steps (>= 7 s), so the client leaves first however fast
+    monkeypatch.setattr(engine.engine, "step", lambda: (time.sleep(0.03), step())[1])
     with pytest.raises(httpx.ReadTimeout):
         client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 120, "n": 16, **GREEDY}, timeout=0.5)
     assert idle(engine, default_llm, timeout=10)
