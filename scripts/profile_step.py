@@ -31,10 +31,16 @@ def best_ms(fn, iters: int) -> float:
     return round(1e3 * float(np.median(times)), 3)
 
 
-def step_inputs(runner, b: int, k: int, draft: bool):
-    """The arguments of a decode (k == 1) or verify step for b rows at position 64 (host arrays)."""
-    pages = list(range(1, 1 + runner.max_pages_per_seq))
-    rows = [RowInput(tokens=[5] * k, start=64, block_table=pages, slot=i, prompt_len=64, draft_ok=draft)
+def step_inputs(runner, b: int, k: int, draft: bool, start: int = 64):
+    """The arguments of a decode (k == 1) or verify step for b rows at position `start` (host arrays).
+    Rows as a real batch has them: distinct tokens (so the MoE routes them to different experts) and
+    pages of their own where the pool has room (else shared, as in a pool too small for b rows)."""
+    per_row = runner.max_pages_per_seq
+    own = (runner.num_pages - 1) // per_row >= b
+    vocab = runner.cfg.vocab_size
+    rows = [RowInput(tokens=[(7 + 7919 * i + 104729 * j) % vocab for j in range(k)], start=start,
+                     block_table=list(range(1 + (i * per_row if own else 0), 1 + (i * per_row if own else 0) + per_row)),
+                     slot=i, prompt_len=start, draft_ok=draft)
             for i in range(b)]
     segments = (runner._segment(rows, bucket(b), k),)
     sampling = runner._sampling(rows, bucket(b))

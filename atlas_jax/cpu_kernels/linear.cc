@@ -12,7 +12,7 @@ namespace {
 
 using namespace atlas;
 
-constexpr int64_t BLOCK_ROWS = 8 * DN_ROWS;
+constexpr int64_t BLOCK_ROWS = 8 * DN_ROWS, MAX_RUN = 8;
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                   ffi::ResultBuffer<ffi::F32> y) {
@@ -25,12 +25,20 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
   const int64_t blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
-  parallel_for(pool, num_panels * blocks, [&](int64_t item) {
-    const int64_t j = item / blocks, m_end = std::min(M, (item % blocks + 1) * BLOCK_ROWS);
-    const float* panel = ws + j * K * PANEL_DN;
-    const int64_t c0 = j * PANEL_DN, width = std::min<int64_t>(PANEL_DN, N - c0);
-    panel_rows(xs, K, (item % blocks) * BLOCK_ROWS, m_end, panel,
-               [&](int64_t m, const float* out) { std::memcpy(ys + m * N + c0, out, width * sizeof(float)); });
+  // an item: a run of consecutive panels (each prefetched during the one before) for one row block;
+  // runs short enough that every thread gets several items
+  const int64_t run = std::clamp<int64_t>(num_panels * blocks / (8 * (pool.num_threads() + 1)), 1, MAX_RUN);
+  const int64_t runs = (num_panels + run - 1) / run;
+  parallel_for(pool, runs * blocks, [&](int64_t item) {
+    const int64_t j0 = (item / blocks) * run, j1 = std::min(num_panels, j0 + run);
+    const int64_t m0 = (item % blocks) * BLOCK_ROWS, m1 = std::min(M, m0 + BLOCK_ROWS);
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* panel = ws + j * K * PANEL_DN;
+      const int64_t c0 = j * PANEL_DN, width = std::min<int64_t>(PANEL_DN, N - c0);
+      panel_rows(xs, K, m0, m1, panel,
+                 [&](int64_t m, const float* out) { std::memcpy(ys + m * N + c0, out, width * sizeof(float)); },
+                 j + 1 < j1 ? panel + K * PANEL_DN : nullptr);
+    }
   });
   return ffi::Error::Success();
 }

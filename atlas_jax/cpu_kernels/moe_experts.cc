@@ -25,6 +25,8 @@ namespace {
 
 using namespace atlas;
 
+constexpr int64_t UP_RUN = 16;
+
 inline float activate(bool glu, float g, float u) {
   if (glu) return g / (1.0f + std::exp(-g)) * u;     // silu(gate) * up
   float r = std::max(u, 0.0f);                        // relu(up)^2
@@ -32,14 +34,16 @@ inline float activate(bool glu, float g, float u) {
 }
 
 // hr[r][0 : PANEL_UP] = act(xr[r] @ gate panel, xr[r] @ up panel); panel rows are `stride` floats apart.
-template <int R, bool GLU>
-void up_tile(const float* const* xr, const float* panel, int64_t H, float* const* hr) {
+template <int R, bool GLU, bool PF>
+void up_tile(const float* const* xr, const float* panel, int64_t H, float* const* hr, Prefetch& prefetch) {
+  PrefetchCursor<PF> pf(prefetch);
   constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
   for (int pass = 0; pass < PANEL_UP / (VW * UP_VECS); ++pass) {
     const int off = pass * VW * UP_VECS;
     vf ag[R][UP_VECS] = {}, au[R][UP_VECS] = {};
     const float* w = panel + off;
     for (int64_t h = 0; h < H; ++h, w += stride) {
+      pf.step(h);
       vf gv[UP_VECS], uv[UP_VECS];
       for (int v = 0; v < UP_VECS; ++v) {
         if (GLU) gv[v] = load(w + v * VW);
@@ -57,6 +61,7 @@ void up_tile(const float* const* xr, const float* panel, int64_t H, float* const
       for (int v = 0; v < UP_VECS; ++v)
         for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
   }
+  prefetch.p = pf.p;
 }
 
 struct Problem {
@@ -68,10 +73,13 @@ struct Problem {
   float *hidden, *y;
 };
 
-// Phase 1 item: hidden[pairs of e, PANEL_UP * j : + PANEL_UP].
-void up_panel(const Problem& p, int64_t e, int64_t j) {
+// hidden[pairs of e, PANEL_UP * j : + PANEL_UP], prefetching panel j + 1 when `prefetch`.
+void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
   const int64_t panel_size = p.H * (p.glu ? 2 : 1) * PANEL_UP;
   const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
+  const int64_t tiles = (p.size[e] + UP_ROWS - 1) / UP_ROWS;
+  Prefetch pf(panel + panel_size, prefetch && prefetches(p.size[e]) ? panel_size * 4 : 0,
+              tiles * (PANEL_UP / (VW * UP_VECS)) * p.H);
   for (int64_t r0 = p.start[e]; r0 < p.start[e] + p.size[e]; r0 += UP_ROWS) {
     const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, p.start[e] + p.size[e] - r0));
     const float* xr[UP_ROWS];
@@ -81,23 +89,27 @@ void up_panel(const Problem& p, int64_t e, int64_t j) {
       hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
     }
     with_rows<UP_ROWS>(rows, [&](auto R) {
-      if (p.glu) up_tile<R(), true>(xr, panel, p.H, hr);
-      else up_tile<R(), false>(xr, panel, p.H, hr);
+      auto tile = [&](auto glu, auto active) { up_tile<R(), glu(), active()>(xr, panel, p.H, hr, pf); };
+      const bool active = pf.active();
+      if (p.glu) active ? tile(std::true_type{}, std::true_type{}) : tile(std::true_type{}, std::false_type{});
+      else active ? tile(std::false_type{}, std::true_type{}) : tile(std::false_type{}, std::false_type{});
     });
   }
 }
 
-// Phase 2 item: y[:, PANEL_DN * c : + PANEL_DN] (columns < H) over every expert's pairs.
-void down_panel(const Problem& p, int64_t c, int64_t num_tokens) {
+// Phase 2 item: y[:, PANEL_DN * c : + PANEL_DN] (columns < H) over the used experts' pairs, each expert's
+// panel prefetched during the one before.
+void down_panel(const Problem& p, const std::vector<int64_t>& used, int64_t c, int64_t num_tokens) {
   const int64_t c0 = c * PANEL_DN, width = std::min<int64_t>(PANEL_DN, p.H - c0);
   for (int64_t n = 0; n < num_tokens; ++n) std::memset(p.y + n * p.H + c0, 0, width * sizeof(float));
-  for (int64_t e = 0; e < p.E; ++e) {
-    const float* panel = p.down + (e * (p.Hp / PANEL_DN) + c) * p.Fp * PANEL_DN;
-    panel_rows(p.hidden, p.Fp, p.start[e], p.start[e] + p.size[e], panel, [&](int64_t pair, const float* out) {
+  auto panel = [&](int64_t e) { return p.down + (e * (p.Hp / PANEL_DN) + c) * p.Fp * PANEL_DN; };
+  for (size_t i = 0; i < used.size(); ++i) {
+    const int64_t e = used[i];
+    panel_rows(p.hidden, p.Fp, p.start[e], p.start[e] + p.size[e], panel(e), [&](int64_t pair, const float* out) {
       float* yr = p.y + static_cast<int64_t>(p.token[pair]) * p.H + c0;
       const float w = p.weight[pair];
       for (int64_t i = 0; i < width; ++i) yr[i] += w * out[i];
-    });
+    }, i + 1 < used.size() ? panel(used[i + 1]) : nullptr);
   }
 }
 
@@ -132,10 +144,14 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
   std::vector<int64_t> used;
   for (int64_t e = 0; e < p.E; ++e) if (p.size[e] > 0) used.push_back(e);
-  const int64_t up_panels = p.Fp / PANEL_UP;
-  parallel_for(pool, static_cast<int64_t>(used.size()) * up_panels,
-               [&](int64_t i) { up_panel(p, used[i / up_panels], i % up_panels); });
-  parallel_for(pool, p.Hp / PANEL_DN, [&](int64_t c) { down_panel(p, c, num_tokens); });
+  // phase 1 items: runs of consecutive panels of one expert, each panel prefetched during the one before
+  const int64_t up_panels = p.Fp / PANEL_UP, run = std::min<int64_t>(UP_RUN, up_panels);
+  const int64_t runs = (up_panels + run - 1) / run;
+  parallel_for(pool, static_cast<int64_t>(used.size()) * runs, [&](int64_t i) {
+    const int64_t j0 = (i % runs) * run, j1 = std::min(up_panels, j0 + run);
+    for (int64_t j = j0; j < j1; ++j) up_panel(p, used[i / runs], j, j + 1 < j1);
+  });
+  parallel_for(pool, p.Hp / PANEL_DN, [&](int64_t c) { down_panel(p, used, c, num_tokens); });
   return ffi::Error::Success();
 }
 
