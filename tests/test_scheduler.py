@@ -243,3 +243,24 @@ def test_preemption_victim_is_least_progress_even_when_it_asks(llm, memory_press
     assert tokens([new.output()]) == tokens(llm.generate(new_prompt, SamplingParams(max_tokens=4, temperature=0.0,
                                                                                     ignore_eos=True)))
     assert_no_leaks(llm)
+
+
+def test_decode_rows_leave_the_prefill_budget_whole(llm, no_prefix_cache):
+    """The decode segment runs beside the prefill segment in its own compiled shape, so running decodes
+    do not shorten prefill chunks: with 3 rows decoding, two prompts that fill max_num_batched_tokens
+    exactly are both prefilled whole in one step (counting the decode rows cut the second one short,
+    padded it back to the same shape and cost a step more)."""
+    eng = llm.engine
+    cfg = eng.scheduler.config
+    chunk = cfg.max_num_batched_tokens // 2
+    assert chunk <= cfg.max_prefill_chunk and cfg.max_prefill_rows >= 2
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    decoding = [eng.add_request(p, params) for p in random_prompts(512, [5, 6, 7], seed=21)]
+    while any(not r.seqs[0].output_ids for r in decoding):
+        eng.step()
+    fresh = [eng.add_request(p, params) for p in random_prompts(512, [chunk, chunk], seed=22)]
+    eng.step()
+    assert [r.seqs[0].num_cached for r in fresh] == [chunk, chunk]
+    while eng.has_unfinished():
+        eng.step()
+    assert_no_leaks(llm)

@@ -26,7 +26,7 @@ class EngineArgs:
     max_num_seqs: int = _knob(8, "running sequences (= recurrent-state slots)")
     max_model_len: int | None = _knob(None, "prompt + output tokens per request (default: min(config, 4096))")
     max_prefill_chunk: int = _knob(256, "prompt tokens per sequence per step")
-    max_num_batched_tokens: int | None = _knob(None, "token budget per step")
+    max_num_batched_tokens: int | None = _knob(None, "prefill token budget per step (decode rows beside it)")
     max_prefill_rows: int = _knob(4, "prefill rows per step")
     preemption_mode: str = _knob("swap", "what a sequence preempted for pages does: swap (to host memory) or "
                                  "recompute (re-prefill later)", choices=PREEMPTION_MODES)

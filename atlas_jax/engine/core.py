@@ -116,8 +116,8 @@ class EngineCore:
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
         budget = max_num_batched_tokens or max(512, max_prefill_chunk)
-        if budget < max_num_seqs:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs})")
+        if budget < 1:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= 1 (prefill tokens per step)")
         self.sched_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
             max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,

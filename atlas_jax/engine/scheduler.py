@@ -2,11 +2,13 @@
 
 Queues: `waiting` (FCFS; recompute-preempted sequences go back to its front), `running`
 (in arrival order, at most max_num_seqs, each holding a slot), `swapped` (state on the host).
-Each step spends a token budget (max_num_batched_tokens): first swapped sequences come back,
-then every decoding sequence gets its next token, then running sequences still in prefill
-get a chunk of <= max_prefill_chunk, and then waiting sequences are admitted while slots,
-prefill rows, budget and pages (above a watermark) allow. Rows of one token form the decode segment, longer
-chunks the prefill segment of the same mixed step.
+Each step: first swapped sequences come back, then every decoding sequence gets its next token,
+then running sequences still in prefill get a chunk of <= max_prefill_chunk, and then waiting
+sequences are admitted while slots, prefill rows, the token budget and pages (above a watermark)
+allow. Rows of one token form the decode segment, longer chunks the prefill segment of the same
+mixed step. The budget (max_num_batched_tokens) bounds the prefill segment only: the decode segment
+is compiled at its full bucket in every mixed step, so decode rows cost the prefill nothing (counting
+them would only cut a chunk short, pad it back to the same shape and add a step).
 
 Pages are allocated as a sequence grows. When a running sequence needs a page and none is
 free, the running sequence with the least progress (fewest cached tokens; latest arrival on a
@@ -142,8 +144,7 @@ class Scheduler:
         for seq in decoding + [s for s in self.running if s.num_uncached > 1]:
             if seq not in self.running:                       # preempted while making room for another
                 continue
-            budget = cfg.max_num_batched_tokens - sum(chosen.values())
-            n = self._chunk(seq, seq.num_cached, budget)
+            n = self._chunk(seq, seq.num_cached, self._budget(chosen))
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 continue
             if self._grow(seq, seq.num_cached + n, chosen):
@@ -157,6 +158,10 @@ class Scheduler:
         n = min(seq.num_tokens - start, self.config.max_prefill_chunk, budget)
         ahead = [p - start for p in seq.snap_points if p > start]
         return min([n] + ahead)
+
+    def _budget(self, chosen) -> int:
+        """Prefill tokens this step can still take (a chunk of 1 joins the decode segment)."""
+        return self.config.max_num_batched_tokens - sum(n for n in chosen.values() if n > 1)
 
     @staticmethod
     def _prefill_rows(chosen) -> int:
@@ -194,7 +199,7 @@ class Scheduler:
                     (adapters_blocked and seq.lora_name is not None):
                 i += 1                                    # a sibling waits for the shared prompt to be cached
                 continue                                  # (or an earlier sequence for an adapter slot)
-            budget = cfg.max_num_batched_tokens - sum(chosen.values())
+            budget = self._budget(chosen)
             hit = self._lookup(seq) if budget > 0 else None
             start = hit.length if hit is not None else 0
             n = self._chunk(seq, start, budget)
