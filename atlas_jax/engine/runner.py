@@ -6,7 +6,9 @@ Every step is a tuple of padded-dense segments (batch.py) compiled ahead of time
 (`step_shapes`, all compiled by `warmup`):
   decode:  one segment [Bd, 1], Bd a power of two <= bucket(max_num_seqs);
   mixed:   a decode segment [Bd_max, 1] (padding rows where fewer decode) + a prefill segment
-           [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets.
+           [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets;
+  prefill: the prefill segment alone, when no row decodes (a first request's time to first token
+           would otherwise carry Bd_max padding rows through every layer).
 The block table always spans max_pages_per_seq pages (attention walks only the blocks the
 longest row needs), so context length is not a bucket dimension. Padding rows and columns
 are inert. Only sampled ids and, when a row asks, logprobs come back to the host.
@@ -114,7 +116,7 @@ class ModelRunner:
         }
         self._executables: dict[tuple, object] = {}
         self.num_compiles = 0
-        self.step_counts = {"decode": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
+        self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     def _init_lora_pool(self, slots: int, rank: int, dtype) -> dict:
         if not slots:
@@ -132,8 +134,8 @@ class ModelRunner:
         """Every segment-shape tuple `step` can run (what warmup compiles)."""
         bd = self.decode_buckets[-1]
         shapes = [((b, 1),) for b in self.decode_buckets]
-        shapes += [((bd, 1), (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
-        return shapes
+        prefill = [(bp, tp) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
+        return shapes + [((bd, 1), p) for p in prefill] + [(p,) for p in prefill]
 
     def verify_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         """Every segment-shape tuple `verify` can run: [B, K] alone, and [B_max, K_max] + each prefill shape."""
@@ -237,7 +239,10 @@ class ModelRunner:
             raise ValueError(f"{len(decode)} decode rows; the largest bucket is {self.decode_buckets[-1]}")
         if any(len(r.tokens) != 1 for r in decode):
             raise ValueError("decode rows carry exactly one token")
-        if prefill:
+        if prefill and not decode:
+            segments = (self._segment(prefill, *self._prefill_shape(prefill)),)
+            sampling_rows = list(prefill)
+        elif prefill:
             bd = self.decode_buckets[-1]
             segments = (self._segment(decode, bd, 1), self._segment(prefill, *self._prefill_shape(prefill)))
             sampling_rows = list(decode) + [None] * (bd - len(decode)) + list(prefill)
@@ -247,10 +252,10 @@ class ModelRunner:
         b = sum(s.tokens.shape[0] for s in segments)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         sampling = self._sampling(sampling_rows, b)
-        groups = (decode, prefill) if prefill else (decode,)
+        groups = tuple(g for g in (decode, prefill) if g)
         out, drafts = self._run("step", segments, sampling, self._prompt_lens(segments, groups),
                                 self._mtp_in(segments, groups, sampling_rows))
-        self.step_counts["mixed" if prefill else "decode"] += 1
+        self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
         self.last_drafts = np.asarray(drafts)[live] if drafts is not None else None
         return self._outputs(out, live, rows)
 
