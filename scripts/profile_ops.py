@@ -3,7 +3,7 @@
     python scripts/profile_ops.py [CKPT | --make qwen3-next-12l] [--batch 32] [--tokens 1] [--iters 20] [--top 25]
 
 Builds an engine (no warm-up), compiles the step for `batch` rows of `tokens` new tokens each (decode: 1;
-a prefill chunk: e.g. 128, compiled as the mixed step [max_num_seqs, 1] + [batch, tokens]), runs it
+a prefill chunk: e.g. 128, compiled as the prefill-only step [batch, tokens]), runs it
 under jax's profiler and sums the thunks' times: per top-level thunk, and per part of the model (the
 HLO op_name of each thunk: `layer_i/...` folded into the layer's kind and the op). Times include the
 profiler's own overhead (~1-2 us per thunk), so read them as shares, not as absolute speeds; `wall_ms`
@@ -36,14 +36,15 @@ _HOST_EVENTS = ("ThunkExecutor", "Common", "Pjit", "$", "Slinky", "Threadpool", 
 
 def step_args(runner, batch: int, tokens: int):
     """The `step` arguments for `batch` rows of `tokens` new tokens at position 64 (host arrays): a decode
-    step as profile_step.py builds it, or a prefill chunk beside an empty decode segment (the mixed step)."""
+    step as profile_step.py builds it, or a prefill chunk alone (the prefill-only step: no row decodes)."""
     if tokens == 1:
         return step_inputs(runner, batch, 1, False)[1]
-    pages = list(range(1, 1 + runner.max_pages_per_seq))
-    rows = [RowInput(tokens=[5] * tokens, start=64, block_table=pages, slot=i, prompt_len=64) for i in range(batch)]
-    bd = runner.decode_buckets[-1]
-    segments = (runner._segment([], bd, 1), runner._segment(rows, *runner._prefill_shape(rows)))
-    groups, sampling_rows = ([], rows), [None] * bd + rows
+    per_row = runner.max_pages_per_seq
+    rows = [RowInput(tokens=[int(t) for t in np.random.default_rng(i).integers(1, runner.cfg.vocab_size, tokens)],
+                     start=64, block_table=list(range(1, 1 + per_row)), slot=i, prompt_len=64 + tokens)
+            for i in range(batch)]
+    segments = (runner._segment(rows, *runner._prefill_shape(rows)),)
+    groups, sampling_rows = (rows,), rows
     b = sum(s.tokens.shape[0] for s in segments)
     return (segments, runner._sampling(sampling_rows, b), runner._prompt_lens(segments, groups),
             runner._mtp_in(segments, groups, sampling_rows))

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from budget import examples
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_pallas_gdn import _inputs, _rows
 
@@ -73,7 +73,8 @@ def test_pool_updated_in_place():
 
 
 @settings(max_examples=examples(24), deadline=None)
-@given(m=st.integers(1, 70), k=st.integers(1, 200), n=st.integers(64, 300), seed=st.integers(0, 10_000))
+@given(m=st.integers(1, 70), k=st.integers(1, 300), n=st.integers(64, 300), seed=st.integers(0, 10_000))
+@example(m=70, k=300, n=200, seed=3)          # two row blocks, chunks of K with a tail, a run of panels
 def test_linear_matches_float64(m, k, n, seed):
     """Rows that fill and do not fill the row tiles and blocks, output widths with a partial last panel."""
     rng = np.random.default_rng(seed)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from budget import examples
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from atlas_jax import cpu_kernels
@@ -98,8 +98,9 @@ cpu_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ comp
 
 @cpu_kernel
 @settings(max_examples=examples(18), deadline=None)
-@given(n=st.integers(1, 70), h=st.sampled_from([16, 24, 64, 72, 136]), f=st.sampled_from([8, 24, 32, 48, 96]),
+@given(n=st.integers(1, 70), h=st.sampled_from([16, 24, 64, 72, 136]), f=st.sampled_from([8, 24, 32, 48, 96, 160]),
        e=st.integers(1, 12), k=st.integers(1, 4), glu=st.booleans(), shared=st.booleans(), seed=st.integers(0, 999))
+@example(n=70, h=136, f=160, e=2, k=2, glu=True, shared=False, seed=1)   # > 48 pairs an expert, 2 chunks of H and F
 def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
     """Packed experts through the custom call, over dims that are and are not whole panels (tails are
     zero padding), rows that fill and do not fill the row tiles, SwiGLU and relu2 experts."""

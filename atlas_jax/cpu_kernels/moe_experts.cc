@@ -33,16 +33,23 @@ inline float activate(bool glu, float g, float u) {
   return r * r;
 }
 
-// hr[r][0 : PANEL_UP] = act(xr[r] @ gate panel, xr[r] @ up panel); panel rows are `stride` floats apart.
+// Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
+// (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
 template <int R, bool GLU, bool PF>
-void up_tile(const float* const* xr, const float* panel, int64_t H, float* const* hr, Prefetch& prefetch) {
+void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1, bool first, bool last,
+             float (*ag_out)[PANEL_UP], float (*au_out)[PANEL_UP], float* const* hr, Prefetch& prefetch) {
   PrefetchCursor<PF> pf(prefetch);
   constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
   for (int pass = 0; pass < PANEL_UP / (VW * UP_VECS); ++pass) {
     const int off = pass * VW * UP_VECS;
-    vf ag[R][UP_VECS] = {}, au[R][UP_VECS] = {};
-    const float* w = panel + off;
-    for (int64_t h = 0; h < H; ++h, w += stride) {
+    vf ag[R][UP_VECS], au[R][UP_VECS];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < UP_VECS; ++v) {
+        ag[r][v] = first || !GLU ? vf{} : load(ag_out[r] + off + v * VW);
+        au[r][v] = first ? vf{} : load(au_out[r] + off + v * VW);
+      }
+    const float* w = panel + h0 * stride + off;
+    for (int64_t h = h0; h < h1; ++h, w += stride) {
       pf.step(h);
       vf gv[UP_VECS], uv[UP_VECS];
       for (int v = 0; v < UP_VECS; ++v) {
@@ -58,8 +65,14 @@ void up_tile(const float* const* xr, const float* panel, int64_t H, float* const
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < UP_VECS; ++v)
-        for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
+      for (int v = 0; v < UP_VECS; ++v) {
+        if (last) {
+          for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
+        } else {
+          if (GLU) store(ag_out[r] + off + v * VW, ag[r][v]);
+          store(au_out[r] + off + v * VW, au[r][v]);
+        }
+      }
   }
   prefetch.p = pf.p;
 }
@@ -73,27 +86,38 @@ struct Problem {
   float *hidden, *y;
 };
 
-// hidden[pairs of e, PANEL_UP * j : + PANEL_UP], prefetching panel j + 1 when `prefetch`.
+// hidden[pairs of e, PANEL_UP * j : + PANEL_UP], chunk by chunk (tiles.h: KC), prefetching the first chunk of
+// panel j + 1 during the last chunk when `prefetch`.
 void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
-  const int64_t panel_size = p.H * (p.glu ? 2 : 1) * PANEL_UP;
+  const int64_t width = (p.glu ? 2 : 1) * PANEL_UP, panel_size = p.H * width;
   const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
-  const int64_t tiles = (p.size[e] + UP_ROWS - 1) / UP_ROWS;
-  Prefetch pf(panel + panel_size, prefetch && prefetches(p.size[e]) ? panel_size * 4 : 0,
-              tiles * (PANEL_UP / (VW * UP_VECS)) * p.H);
-  for (int64_t r0 = p.start[e]; r0 < p.start[e] + p.size[e]; r0 += UP_ROWS) {
-    const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, p.start[e] + p.size[e] - r0));
-    const float* xr[UP_ROWS];
-    float* hr[UP_ROWS];
-    for (int r = 0; r < rows; ++r) {
-      xr[r] = p.x + static_cast<int64_t>(p.token[r0 + r]) * p.H;
-      hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
+  constexpr int passes = PANEL_UP / (VW * UP_VECS);
+  const int64_t r_end = p.start[e] + p.size[e];
+  for (int64_t b0 = p.start[e]; b0 < r_end; b0 += ROW_BLOCK) {
+    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK), tiles = (b1 - b0 + UP_ROWS - 1) / UP_ROWS;
+    alignas(64) float ag[ROW_BLOCK][PANEL_UP], au[ROW_BLOCK][PANEL_UP];
+    for (int64_t h0 = 0; h0 < p.H; h0 += KC) {
+      const int64_t h1 = std::min(p.H, h0 + KC);
+      Prefetch pf = chunk_prefetch(panel, prefetch && b1 == r_end ? panel + panel_size : nullptr, p.H, h0, h1, width,
+                                   tiles * passes * (h1 - h0));
+      for (int64_t r0 = b0; r0 < b1; r0 += UP_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, b1 - r0));
+        const float* xr[UP_ROWS];
+        float* hr[UP_ROWS];
+        for (int r = 0; r < rows; ++r) {
+          xr[r] = p.x + static_cast<int64_t>(p.token[r0 + r]) * p.H;
+          hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
+        }
+        with_rows<UP_ROWS>(rows, [&](auto R) {
+          auto tile = [&](auto glu, auto active) {
+            up_tile<R(), glu(), active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + (r0 - b0), au + (r0 - b0), hr, pf);
+          };
+          const bool active = pf.active();
+          if (p.glu) active ? tile(std::true_type{}, std::true_type{}) : tile(std::true_type{}, std::false_type{});
+          else active ? tile(std::false_type{}, std::true_type{}) : tile(std::false_type{}, std::false_type{});
+        });
+      }
     }
-    with_rows<UP_ROWS>(rows, [&](auto R) {
-      auto tile = [&](auto glu, auto active) { up_tile<R(), glu(), active()>(xr, panel, p.H, hr, pf); };
-      const bool active = pf.active();
-      if (p.glu) active ? tile(std::true_type{}, std::true_type{}) : tile(std::true_type{}, std::false_type{});
-      else active ? tile(std::false_type{}, std::true_type{}) : tile(std::false_type{}, std::false_type{});
-    });
   }
 }
 

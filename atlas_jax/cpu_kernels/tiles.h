@@ -19,7 +19,7 @@ constexpr int UP_ROWS = 6, UP_VECS = 2;     // 6 rows x 2 vectors x (gate, up) a
 constexpr int DN_ROWS = 6, DN_VECS = 4;
 #else
 constexpr int VW = 8;                       // AVX2: 16 registers
-constexpr int UP_ROWS = 3, UP_VECS = 2;
+constexpr int UP_ROWS = 6, UP_VECS = 1;     // 6 x 1 x 2 accumulators + 2 panel vectors: no spill of 16 registers
 constexpr int DN_ROWS = 6, DN_VECS = 2;
 #endif
 static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
@@ -28,13 +28,13 @@ typedef float vf __attribute__((vector_size(VW * 4)));
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
-// A software prefetch of the next panel spread over the current panel's k-loops: one cache line every
-// (mask + 1) iterations into L2, so that panel's DRAM stream overlaps this one's compute (a tile that
-// streams its panel from DRAM runs at the core's share of DRAM bandwidth, well below FMA speed).
-// Only for panels that few rows re-read: with many row tiles the first tile's stream is amortised, and a
-// second panel in L2 would evict the one being re-read.
-constexpr int64_t PREFETCH_MIN_ROWS = 2, PREFETCH_MAX_ROWS = 48;
-inline bool prefetches(int64_t rows) { return rows >= PREFETCH_MIN_ROWS && rows <= PREFETCH_MAX_ROWS; }
+// Panels are consumed in chunks of KC rows (KC x 256 B = 32 KB of a 64-wide panel): every row tile of a
+// block of up to ROW_BLOCK rows runs over a chunk (its partial sums kept in a 12 KB buffer) before the next
+// chunk, so the chunk is read from DRAM once and re-read from L1 / L2, and a panel never has to fit in L2
+// whole (K = 4096 makes 1 MB panels). Meanwhile the next chunk is prefetched (one cache line every
+// mask + 1 k-iterations, into L2): DRAM streams under the FMAs instead of stalling the first tile.
+constexpr int64_t KC = 128, ROW_BLOCK = 48;
+
 struct Prefetch {
   const char* p = nullptr;
   const char* end = nullptr;
@@ -42,7 +42,7 @@ struct Prefetch {
   // next [bytes] prefetched over `iterations` k-iterations to come.
   Prefetch() = default;
   Prefetch(const void* next, int64_t bytes, int64_t iterations)
-      : p(static_cast<const char*>(next)), end(p + bytes) {
+      : p(static_cast<const char*>(next)), end(p + (next ? bytes : 0)) {
     const int64_t every = std::max<int64_t>(1, iterations / std::max<int64_t>(1, bytes / 64));
     while ((mask + 1) * 2 <= every) mask = mask * 2 + 1;
   }
@@ -65,15 +65,27 @@ struct PrefetchCursor {
   }
 };
 
-// out[r][0 : PANEL_DN] = hr[r][0 : K] @ panel [K, PANEL_DN] (a packed weight panel, rows contiguous).
+// What to prefetch while chunk [k0, k1) of a panel with `rows` [K, width] runs: its next chunk, or after
+// the last one the first chunk of `next` (the panel that follows, or null).
+inline Prefetch chunk_prefetch(const float* panel, const float* next, int64_t K, int64_t k0, int64_t k1,
+                               int64_t width, int64_t iterations) {
+  if (k1 < K) return Prefetch(panel + k1 * width, std::min(KC, K - k1) * width * 4, iterations);
+  return Prefetch(next, std::min(KC, K) * width * 4, iterations);
+}
+
+// acc[r][0 : PANEL_DN] (+)= hr[r][k0 : k1] @ panel[k0 : k1, 0 : PANEL_DN] (a packed weight panel, rows
+// contiguous); first: from zero.
 template <int R, bool PF>
-void panel_tile(const float* const* hr, const float* panel, int64_t K, float (*out)[PANEL_DN], Prefetch& prefetch) {
+void panel_tile(const float* const* hr, const float* panel, int64_t k0, int64_t k1, bool first,
+                float (*acc_out)[PANEL_DN], Prefetch& prefetch) {
   PrefetchCursor<PF> pf(prefetch);
   for (int pass = 0; pass < PANEL_DN / (VW * DN_VECS); ++pass) {
     const int off = pass * VW * DN_VECS;
-    vf acc[R][DN_VECS] = {};
-    const float* w = panel + off;
-    for (int64_t k = 0; k < K; ++k, w += PANEL_DN) {
+    vf acc[R][DN_VECS];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < DN_VECS; ++v) acc[r][v] = first ? vf{} : load(acc_out[r] + off + v * VW);
+    const float* w = panel + k0 * PANEL_DN + off;
+    for (int64_t k = k0; k < k1; ++k, w += PANEL_DN) {
       pf.step(k);
       vf dv[DN_VECS];
       for (int v = 0; v < DN_VECS; ++v) dv[v] = load(w + v * VW);
@@ -83,7 +95,7 @@ void panel_tile(const float* const* hr, const float* panel, int64_t K, float (*o
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < DN_VECS; ++v) store(out[r] + off + v * VW, acc[r][v]);
+      for (int v = 0; v < DN_VECS; ++v) store(acc_out[r] + off + v * VW, acc[r][v]);
   }
   prefetch.p = pf.p;
 }
@@ -102,24 +114,31 @@ void with_rows(int rows, Fn&& fn) {
   }
 }
 
-// Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN], DN_ROWS rows a tile;
-// emit(r, out_row) receives each row's PANEL_DN results. next: the panel to prefetch meanwhile (or null).
+// Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN], DN_ROWS rows a tile,
+// chunk by chunk (see KC); emit(r, out_row) receives each row's PANEL_DN results. next: the panel the
+// caller runs after this one (its first chunk is prefetched during the last chunk here), or null.
 template <typename Emit>
 void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const float* panel, Emit&& emit,
                 const float* next = nullptr) {
-  const int64_t tiles = (r_end - r_begin + DN_ROWS - 1) / DN_ROWS;
-  Prefetch pf(next, next && prefetches(r_end - r_begin) ? K * PANEL_DN * 4 : 0,
-              tiles * (PANEL_DN / (VW * DN_VECS)) * K);
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += DN_ROWS) {
-    const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, r_end - r0));
-    const float* ar[DN_ROWS];
-    for (int r = 0; r < rows; ++r) ar[r] = a + (r0 + r) * K;
-    alignas(64) float out[DN_ROWS][PANEL_DN];
-    with_rows<DN_ROWS>(rows, [&](auto R) { 
-      if (pf.active()) panel_tile<R(), true>(ar, panel, K, out, pf);
-      else panel_tile<R(), false>(ar, panel, K, out, pf);
-    });
-    for (int r = 0; r < rows; ++r) emit(r0 + r, out[r]);
+  constexpr int passes = PANEL_DN / (VW * DN_VECS);
+  for (int64_t b0 = r_begin; b0 < r_end; b0 += ROW_BLOCK) {
+    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK), tiles = (b1 - b0 + DN_ROWS - 1) / DN_ROWS;
+    alignas(64) float out[ROW_BLOCK][PANEL_DN];
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t k1 = std::min(K, k0 + KC);
+      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, PANEL_DN, tiles * passes * (k1 - k0));
+      for (int64_t r0 = b0; r0 < b1; r0 += DN_ROWS) {
+        const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, b1 - r0));
+        const float* ar[DN_ROWS];
+        for (int r = 0; r < rows; ++r) ar[r] = a + (r0 + r) * K;
+        float (*acc)[PANEL_DN] = out + (r0 - b0);
+        with_rows<DN_ROWS>(rows, [&](auto R) {
+          if (pf.active()) panel_tile<R(), true>(ar, panel, k0, k1, k0 == 0, acc, pf);
+          else panel_tile<R(), false>(ar, panel, k0, k1, k0 == 0, acc, pf);
+        });
+      }
+    }
+    for (int64_t r = b0; r < b1; ++r) emit(r, out[r - b0]);
   }
 }
 
