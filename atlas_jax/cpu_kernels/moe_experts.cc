@@ -35,9 +35,16 @@ inline float activate(bool glu, float g, float u) {
 
 // Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
 // (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
+// Vectors per pass for a tile of `rows` rows: narrow tiles (decode) take wider passes (see tiles.h dn_vecs).
+constexpr int up_vecs(int rows) {
+  return rows == 1 ? PANEL_UP / VW : rows == 2 ? std::min(2, PANEL_UP / VW) : UP_VECS;
+}
+constexpr int64_t up_passes(int64_t rows) { return PANEL_UP / (VW * up_vecs(static_cast<int>(rows))); }
+
 template <int R, bool GLU, bool PF>
 void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1, bool first, bool last,
              float (*ag_out)[PANEL_UP], float (*au_out)[PANEL_UP], float* const* hr, Prefetch& prefetch) {
+  constexpr int UP_VECS = up_vecs(R);
   PrefetchCursor<PF> pf(prefetch);
   constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
   for (int pass = 0; pass < PANEL_UP / (VW * UP_VECS); ++pass) {
@@ -91,15 +98,15 @@ struct Problem {
 void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
   const int64_t width = (p.glu ? 2 : 1) * PANEL_UP, panel_size = p.H * width;
   const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
-  constexpr int passes = PANEL_UP / (VW * UP_VECS);
   const int64_t r_end = p.start[e] + p.size[e];
   for (int64_t b0 = p.start[e]; b0 < r_end; b0 += ROW_BLOCK) {
-    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK), tiles = (b1 - b0 + UP_ROWS - 1) / UP_ROWS;
+    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK);
+    const int64_t passes = (b1 - b0) / UP_ROWS * up_passes(UP_ROWS) + ((b1 - b0) % UP_ROWS ? up_passes((b1 - b0) % UP_ROWS) : 0);
     alignas(64) float ag[ROW_BLOCK][PANEL_UP], au[ROW_BLOCK][PANEL_UP];
     for (int64_t h0 = 0; h0 < p.H; h0 += KC) {
       const int64_t h1 = std::min(p.H, h0 + KC);
       Prefetch pf = chunk_prefetch(panel, prefetch && b1 == r_end ? panel + panel_size : nullptr, p.H, h0, h1, width,
-                                   tiles * passes * (h1 - h0));
+                                   passes * (h1 - h0));
       for (int64_t r0 = b0; r0 < b1; r0 += UP_ROWS) {
         const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, b1 - r0));
         const float* xr[UP_ROWS];

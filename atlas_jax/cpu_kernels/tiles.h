@@ -73,29 +73,37 @@ inline Prefetch chunk_prefetch(const float* panel, const float* next, int64_t K,
   return Prefetch(next, std::min(KC, K) * width * 4, iterations);
 }
 
+// Vectors a tile of `rows` rows covers per pass: narrow tiles (GEMV-like: decode) take wider passes, so a
+// pass reads whole panel rows in order and keeps enough independent FMA chains in flight.
+constexpr int dn_vecs(int rows) {
+  return rows == 1 ? PANEL_DN / VW : rows == 2 ? std::min(4, PANEL_DN / VW) : DN_VECS;
+}
+constexpr int64_t dn_passes(int64_t rows) { return PANEL_DN / (VW * dn_vecs(static_cast<int>(rows))); }
+
 // acc[r][0 : PANEL_DN] (+)= hr[r][k0 : k1] @ panel[k0 : k1, 0 : PANEL_DN] (a packed weight panel, rows
 // contiguous); first: from zero.
 template <int R, bool PF>
 void panel_tile(const float* const* hr, const float* panel, int64_t k0, int64_t k1, bool first,
                 float (*acc_out)[PANEL_DN], Prefetch& prefetch) {
+  constexpr int V = dn_vecs(R);
   PrefetchCursor<PF> pf(prefetch);
-  for (int pass = 0; pass < PANEL_DN / (VW * DN_VECS); ++pass) {
-    const int off = pass * VW * DN_VECS;
-    vf acc[R][DN_VECS];
+  for (int pass = 0; pass < PANEL_DN / (VW * V); ++pass) {
+    const int off = pass * VW * V;
+    vf acc[R][V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < DN_VECS; ++v) acc[r][v] = first ? vf{} : load(acc_out[r] + off + v * VW);
+      for (int v = 0; v < V; ++v) acc[r][v] = first ? vf{} : load(acc_out[r] + off + v * VW);
     const float* w = panel + k0 * PANEL_DN + off;
     for (int64_t k = k0; k < k1; ++k, w += PANEL_DN) {
       pf.step(k);
-      vf dv[DN_VECS];
-      for (int v = 0; v < DN_VECS; ++v) dv[v] = load(w + v * VW);
+      vf dv[V];
+      for (int v = 0; v < V; ++v) dv[v] = load(w + v * VW);
       for (int r = 0; r < R; ++r) {
         const float b = hr[r][k];
-        for (int v = 0; v < DN_VECS; ++v) acc[r][v] += b * dv[v];
+        for (int v = 0; v < V; ++v) acc[r][v] += b * dv[v];
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < DN_VECS; ++v) store(acc_out[r] + off + v * VW, acc[r][v]);
+      for (int v = 0; v < V; ++v) store(acc_out[r] + off + v * VW, acc[r][v]);
   }
   prefetch.p = pf.p;
 }
@@ -120,13 +128,13 @@ void with_rows(int rows, Fn&& fn) {
 template <typename Emit>
 void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const float* panel, Emit&& emit,
                 const float* next = nullptr) {
-  constexpr int passes = PANEL_DN / (VW * DN_VECS);
   for (int64_t b0 = r_begin; b0 < r_end; b0 += ROW_BLOCK) {
-    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK), tiles = (b1 - b0 + DN_ROWS - 1) / DN_ROWS;
+    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK);
+    const int64_t passes = (b1 - b0) / DN_ROWS * dn_passes(DN_ROWS) + ((b1 - b0) % DN_ROWS ? dn_passes((b1 - b0) % DN_ROWS) : 0);
     alignas(64) float out[ROW_BLOCK][PANEL_DN];
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t k1 = std::min(K, k0 + KC);
-      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, PANEL_DN, tiles * passes * (k1 - k0));
+      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, PANEL_DN, passes * (k1 - k0));
       for (int64_t r0 = b0; r0 < b1; r0 += DN_ROWS) {
         const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, b1 - r0));
         const float* ar[DN_ROWS];
