@@ -65,11 +65,12 @@ struct PrefetchCursor {
   }
 };
 
-// What to prefetch while chunk [k0, k1) of a panel with `rows` [K, width] runs: its next chunk, or after
-// the last one the first chunk of `next` (the panel that follows, or null).
+// What to prefetch while chunk [k0, k1) of a panel [K, width] runs: its next two chunks (the one after next
+// gets a head start: measured faster than one chunk ahead, and than four), or during the last one the
+// first chunk of `next` (the panel that follows, or null).
 inline Prefetch chunk_prefetch(const float* panel, const float* next, int64_t K, int64_t k0, int64_t k1,
                                int64_t width, int64_t iterations) {
-  if (k1 < K) return Prefetch(panel + k1 * width, std::min(KC, K - k1) * width * 4, iterations);
+  if (k1 < K) return Prefetch(panel + k1 * width, std::min(2 * KC, K - k1) * width * 4, iterations);
   return Prefetch(next, std::min(KC, K) * width * 4, iterations);
 }
 
