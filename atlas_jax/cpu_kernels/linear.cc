@@ -1,7 +1,7 @@
 // Dense projection y [M, N] = x [M, K] @ W [K, N] over W packed in panels of PANEL_DN output columns
 // (atlas_linear; layers/linear.pack_linear): panels [ceil(N / 64), K, 64], zero-padded, each panel
 // contiguous so a tile streams it front to back (XLA:CPU's dot reads W row-strided). Items are
-// (panel, block of up to BLOCK_ROWS rows): a panel stays in L2 while its row tiles re-read it.
+// (run of consecutive panels, block of up to ROW_BLOCK rows); tiles.h consumes each panel chunk by chunk.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -12,7 +12,7 @@ namespace {
 
 using namespace atlas;
 
-constexpr int64_t BLOCK_ROWS = 8 * DN_ROWS, MAX_RUN = 8;
+constexpr int64_t MAX_RUN = 8;
 
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                   ffi::ResultBuffer<ffi::F32> y) {
@@ -24,14 +24,14 @@ ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi
   const float* xs = x.typed_data();
   const float* ws = panels.typed_data();
   float* ys = y->typed_data();
-  const int64_t blocks = (M + BLOCK_ROWS - 1) / BLOCK_ROWS;
+  const int64_t blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
   // an item: a run of consecutive panels (each prefetched during the one before) for one row block;
   // runs short enough that every thread gets several items
   const int64_t run = std::clamp<int64_t>(num_panels * blocks / (8 * (pool.num_threads() + 1)), 1, MAX_RUN);
   const int64_t runs = (num_panels + run - 1) / run;
   parallel_for(pool, runs * blocks, [&](int64_t item) {
     const int64_t j0 = (item / blocks) * run, j1 = std::min(num_panels, j0 + run);
-    const int64_t m0 = (item % blocks) * BLOCK_ROWS, m1 = std::min(M, m0 + BLOCK_ROWS);
+    const int64_t m0 = (item % blocks) * ROW_BLOCK, m1 = std::min(M, m0 + ROW_BLOCK);
     for (int64_t j = j0; j < j1; ++j) {
       const float* panel = ws + j * K * PANEL_DN;
       const int64_t c0 = j * PANEL_DN, width = std::min<int64_t>(PANEL_DN, N - c0);

@@ -4,14 +4,14 @@
 // Pairs arrive sorted by expert (`token` [P] = source row of each pair, `weight` [P], `sizes` [E] = run
 // lengths). Every expert's weights are read in place from the resident packed tensors (layout below):
 // no gather, no copy, and only experts with pairs are read (decode reads its k experts).
-//   phase 1: hidden[p, :] = act(x[token[p]] @ gate_e, x[token[p]] @ up_e)   items: (expert, panel)
+//   phase 1: hidden[p, :] = act(x[token[p]] @ gate_e, x[token[p]] @ up_e)   items: (expert, run of panels)
 //   phase 2: y[:, c] = sum_p weight[p] * hidden[p] @ down_e[:, c]          items: output panels of y
 // Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
 // row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
 //   gate_up [E, Fp / PANEL_UP, H, 2 * PANEL_UP] (SwiGLU: gate | up) or [E, Fp / PANEL_UP, H, PANEL_UP] (relu2: up)
 //   down    [E, Hp / PANEL_DN, Fp, PANEL_DN]
-// Each tile streams one contiguous panel; row tiles of an expert re-read it from L1/L2. Items of a phase
-// write disjoint memory, so they run in parallel without locks (common.h: parallel_for).
+// Each panel is consumed chunk by chunk by all of an expert's row tiles (tiles.h: chunked_rows), the next chunk
+// prefetched meanwhile. Items of a phase write disjoint memory, so they run in parallel without locks (common.h: parallel_for).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -33,46 +33,46 @@ inline float activate(bool glu, float g, float u) {
   return r * r;
 }
 
-// Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
-// (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
 // Vectors per pass for a tile of `rows` rows: narrow tiles (decode) take wider passes (see tiles.h dn_vecs).
 constexpr int up_vecs(int rows) {
   return rows == 1 ? PANEL_UP / VW : rows == 2 ? std::min(2, PANEL_UP / VW) : UP_VECS;
 }
 constexpr int64_t up_passes(int64_t rows) { return PANEL_UP / (VW * up_vecs(static_cast<int>(rows))); }
 
+// Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
+// (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
 template <int R, bool GLU, bool PF>
 void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1, bool first, bool last,
              float (*ag_out)[PANEL_UP], float (*au_out)[PANEL_UP], float* const* hr, Prefetch& prefetch) {
-  constexpr int UP_VECS = up_vecs(R);
+  constexpr int V = up_vecs(R);
   PrefetchCursor<PF> pf(prefetch);
   constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
-  for (int pass = 0; pass < PANEL_UP / (VW * UP_VECS); ++pass) {
-    const int off = pass * VW * UP_VECS;
-    vf ag[R][UP_VECS], au[R][UP_VECS];
+  for (int pass = 0; pass < PANEL_UP / (VW * V); ++pass) {
+    const int off = pass * VW * V;
+    vf ag[R][V], au[R][V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < UP_VECS; ++v) {
+      for (int v = 0; v < V; ++v) {
         ag[r][v] = first || !GLU ? vf{} : load(ag_out[r] + off + v * VW);
         au[r][v] = first ? vf{} : load(au_out[r] + off + v * VW);
       }
     const float* w = panel + h0 * stride + off;
     for (int64_t h = h0; h < h1; ++h, w += stride) {
       pf.step(h);
-      vf gv[UP_VECS], uv[UP_VECS];
-      for (int v = 0; v < UP_VECS; ++v) {
+      vf gv[V], uv[V];
+      for (int v = 0; v < V; ++v) {
         if (GLU) gv[v] = load(w + v * VW);
         uv[v] = load(w + (GLU ? PANEL_UP : 0) + v * VW);
       }
       for (int r = 0; r < R; ++r) {
         const float b = xr[r][h];
-        for (int v = 0; v < UP_VECS; ++v) {
+        for (int v = 0; v < V; ++v) {
           if (GLU) ag[r][v] += b * gv[v];
           au[r][v] += b * uv[v];
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < UP_VECS; ++v) {
+      for (int v = 0; v < V; ++v) {
         if (last) {
           for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
         } else {
@@ -93,22 +93,15 @@ struct Problem {
   float *hidden, *y;
 };
 
-// hidden[pairs of e, PANEL_UP * j : + PANEL_UP], chunk by chunk (tiles.h: KC), prefetching the first chunk of
-// panel j + 1 during the last chunk when `prefetch`.
+// hidden[pairs of e, PANEL_UP * j : + PANEL_UP], chunk by chunk (tiles.h: chunked_rows), prefetching the first
+// chunk of panel j + 1 during the last chunk when `prefetch`.
 void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
   const int64_t width = (p.glu ? 2 : 1) * PANEL_UP, panel_size = p.H * width;
   const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
-  const int64_t r_end = p.start[e] + p.size[e];
-  for (int64_t b0 = p.start[e]; b0 < r_end; b0 += ROW_BLOCK) {
-    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK);
-    const int64_t passes = (b1 - b0) / UP_ROWS * up_passes(UP_ROWS) + ((b1 - b0) % UP_ROWS ? up_passes((b1 - b0) % UP_ROWS) : 0);
-    alignas(64) float ag[ROW_BLOCK][PANEL_UP], au[ROW_BLOCK][PANEL_UP];
-    for (int64_t h0 = 0; h0 < p.H; h0 += KC) {
-      const int64_t h1 = std::min(p.H, h0 + KC);
-      Prefetch pf = chunk_prefetch(panel, prefetch && b1 == r_end ? panel + panel_size : nullptr, p.H, h0, h1, width,
-                                   passes * (h1 - h0));
-      for (int64_t r0 = b0; r0 < b1; r0 += UP_ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(UP_ROWS, b1 - r0));
+  alignas(64) float ag[ROW_BLOCK][PANEL_UP], au[ROW_BLOCK][PANEL_UP];
+  chunked_rows<UP_ROWS>(p.start[e], p.start[e] + p.size[e], panel, prefetch ? panel + panel_size : nullptr, p.H,
+      width, up_passes,
+      [&](int64_t r0, int64_t i, int rows, int64_t h0, int64_t h1, Prefetch& pf) {
         const float* xr[UP_ROWS];
         float* hr[UP_ROWS];
         for (int r = 0; r < rows; ++r) {
@@ -116,16 +109,13 @@ void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
           hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
         }
         with_rows<UP_ROWS>(rows, [&](auto R) {
-          auto tile = [&](auto glu, auto active) {
-            up_tile<R(), glu(), active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + (r0 - b0), au + (r0 - b0), hr, pf);
-          };
-          const bool active = pf.active();
-          if (p.glu) active ? tile(std::true_type{}, std::true_type{}) : tile(std::true_type{}, std::false_type{});
-          else active ? tile(std::false_type{}, std::true_type{}) : tile(std::false_type{}, std::false_type{});
+          with_prefetch(pf, [&](auto active) {
+            if (p.glu) up_tile<R(), true, active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+            else up_tile<R(), false, active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+          });
         });
-      }
-    }
-  }
+      },
+      [](int64_t, int64_t) {});
 }
 
 // Phase 2 item: y[:, PANEL_DN * c : + PANEL_DN] (columns < H) over the used experts' pairs, each expert's

@@ -40,7 +40,6 @@ struct Prefetch {
   const char* end = nullptr;
   int64_t mask = 0;
   // next [bytes] prefetched over `iterations` k-iterations to come.
-  Prefetch() = default;
   Prefetch(const void* next, int64_t bytes, int64_t iterations)
       : p(static_cast<const char*>(next)), end(p + (next ? bytes : 0)) {
     const int64_t every = std::max<int64_t>(1, iterations / std::max<int64_t>(1, bytes / 64));
@@ -123,32 +122,50 @@ void with_rows(int rows, Fn&& fn) {
   }
 }
 
+// fn(std::true_type) while pf has lines left to prefetch, else fn(std::false_type): a tile's PF argument.
+template <typename Fn>
+void with_prefetch(const Prefetch& pf, Fn&& fn) {
+  if (pf.active()) fn(std::true_type{});
+  else fn(std::false_type{});
+}
+
+// The traversal of one panel [K, width] that the GEMM kernels share: rows [r_begin, r_end) in blocks of
+// ROW_BLOCK, each block over the panel chunk by chunk (KC rows), every tile of up to TILE rows per chunk.
+// tile(r0, i, rows, k0, k1, pf) runs rows [r0, r0 + rows) (i = r0's index in its block) over chunk [k0, k1)
+// while pf prefetches; block_done(b0, b1) follows a block's last chunk. passes(rows): the k-loops a tile of
+// that many rows makes over a chunk (the prefetch is spread over them). next: the panel the caller runs
+// after this one (its first chunk is prefetched during the last chunk here), or null.
+template <int TILE, typename Passes, typename Tile, typename Done>
+void chunked_rows(int64_t r_begin, int64_t r_end, const float* panel, const float* next, int64_t K, int64_t width,
+                  Passes&& passes, Tile&& tile, Done&& block_done) {
+  for (int64_t b0 = r_begin; b0 < r_end; b0 += ROW_BLOCK) {
+    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK), rows = b1 - b0;
+    const int64_t loops = rows / TILE * passes(TILE) + (rows % TILE ? passes(rows % TILE) : 0);
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+      const int64_t k1 = std::min(K, k0 + KC);
+      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, width, loops * (k1 - k0));
+      for (int64_t r0 = b0; r0 < b1; r0 += TILE)
+        tile(r0, r0 - b0, static_cast<int>(std::min<int64_t>(TILE, b1 - r0)), k0, k1, pf);
+    }
+    block_done(b0, b1);
+  }
+}
+
 // Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN], DN_ROWS rows a tile,
-// chunk by chunk (see KC); emit(r, out_row) receives each row's PANEL_DN results. next: the panel the
-// caller runs after this one (its first chunk is prefetched during the last chunk here), or null.
+// chunk by chunk (chunked_rows); emit(r, out_row) receives each row's PANEL_DN results. next: as chunked_rows.
 template <typename Emit>
 void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const float* panel, Emit&& emit,
                 const float* next = nullptr) {
-  for (int64_t b0 = r_begin; b0 < r_end; b0 += ROW_BLOCK) {
-    const int64_t b1 = std::min(r_end, b0 + ROW_BLOCK);
-    const int64_t passes = (b1 - b0) / DN_ROWS * dn_passes(DN_ROWS) + ((b1 - b0) % DN_ROWS ? dn_passes((b1 - b0) % DN_ROWS) : 0);
-    alignas(64) float out[ROW_BLOCK][PANEL_DN];
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-      const int64_t k1 = std::min(K, k0 + KC);
-      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, PANEL_DN, passes * (k1 - k0));
-      for (int64_t r0 = b0; r0 < b1; r0 += DN_ROWS) {
-        const int rows = static_cast<int>(std::min<int64_t>(DN_ROWS, b1 - r0));
+  alignas(64) float out[ROW_BLOCK][PANEL_DN];
+  chunked_rows<DN_ROWS>(r_begin, r_end, panel, next, K, PANEL_DN, dn_passes,
+      [&](int64_t r0, int64_t i, int rows, int64_t k0, int64_t k1, Prefetch& pf) {
         const float* ar[DN_ROWS];
         for (int r = 0; r < rows; ++r) ar[r] = a + (r0 + r) * K;
-        float (*acc)[PANEL_DN] = out + (r0 - b0);
         with_rows<DN_ROWS>(rows, [&](auto R) {
-          if (pf.active()) panel_tile<R(), true>(ar, panel, k0, k1, k0 == 0, acc, pf);
-          else panel_tile<R(), false>(ar, panel, k0, k1, k0 == 0, acc, pf);
+          with_prefetch(pf, [&](auto active) { panel_tile<R(), active()>(ar, panel, k0, k1, k0 == 0, out + i, pf); });
         });
-      }
-    }
-    for (int64_t r = b0; r < b1; ++r) emit(r, out[r - b0]);
-  }
+      },
+      [&](int64_t b0, int64_t b1) { for (int64_t r = b0; r < b1; ++r) emit(r, out[r - b0]); });
 }
 
 }  // namespace atlas
