@@ -91,7 +91,8 @@ def test_qwen3_5_vision_checkpoint_loads_its_language_model(ckpt_dir, caplog):
     from atlas_jax.config import ModelConfig
     from atlas_jax.weights import load_model_params
     from atlas_jax.weights.loader import CheckpointError
-    path, hf = ckpt_dir("qwen3_5_vl_tied_sharded", hf_models.make_qwen3_5, **FAMILIES[-2][2])
+    name = "qwen3_5_vl_tied_sharded"
+    path, hf = ckpt_dir(name, hf_models.make_qwen3_5, **next(kw for n, _, kw in FAMILIES if n == name))
     assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
     cfg = ModelConfig.from_pretrained(path)
     assert (cfg.model_type, cfg.weight_prefix, cfg.vision, cfg.tie_word_embeddings) == (
