@@ -299,10 +299,13 @@ def test_fuzz_real_server(server):
 
 
 def test_sigterm_drains(server):
-    """Last in this module: SIGTERM with 128 streams in flight (8 running, 120 waiting: 16 waves of 120
+    """Last in this module: SIGTERM with 128 streams in flight (8 running, 120 waiting: ~18 waves of 80-120
     tokens, far more than --shutdown-timeout allows). New requests get 503 + Retry-After and /health
     503 during the drain; the running streams finish; what is left at the timeout ends with an error
-    event and [DONE] (or, never started, a 503 + Retry-After); nothing is cut; the process exits 0."""
+    event and [DONE] (or, never started, a 503 + Retry-After); nothing is cut; the process exits 0.
+    The lengths differ so that rows finish at different steps: with equal lengths whole waves end
+    together, and a timeout that fell between a wave's last step and the next wave's first left no
+    started stream to end with an error."""
     import asyncio
     base, proc = server
 
@@ -313,14 +316,14 @@ def test_sigterm_drains(server):
                 text = (await http.get("/metrics")).text
                 return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
 
-            async def stream():
-                body = {"prompt": "Hello", "max_tokens": 120, "stream": True, "ignore_eos": True}
+            async def stream(max_tokens):
+                body = {"prompt": "Hello", "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
                 async with http.stream("POST", "/v1/completions", json=body) as r:
                     if r.status_code != 200:
                         ok = r.status_code == 503 and r.headers.get("retry-after")
                         return "503" if ok else f"status {r.status_code}"
                     return stream_end([line[6:] async for line in r.aiter_lines() if line.startswith("data: ")])
-            tasks = [asyncio.create_task(stream()) for _ in range(128)]
+            tasks = [asyncio.create_task(stream(80 + 37 * i % 41)) for i in range(128)]
             for _ in range(1000):                 # every request in the engine, all 8 slots taken, before the signal
                 running, waiting = await metric("atlas_running_requests"), await metric("atlas_waiting_requests")
                 if (running, waiting) == (8, 120):
