@@ -32,11 +32,12 @@ def test_built_where_a_compiler_is_and_chosen_by_default():
 
 
 @settings(max_examples=examples(18), deadline=None)
-@given(t=st.sampled_from([1, 2, 5, 16]), ratio=st.sampled_from([1, 2, 4]), dk=st.sampled_from([8, 16, 64]),
+@given(t=st.sampled_from([1, 2, 5, 16, 37, 128]), ratio=st.sampled_from([1, 2, 4]), dk=st.sampled_from([8, 16, 64]),
        dv=st.sampled_from([8, 24, 64]), positions=st.sampled_from([1, 2, 4]), b=st.integers(1, 6),
        delta_rule=st.booleans(), seed=st.integers(0, 10_000))
+@example(t=128, ratio=2, dk=64, dv=64, positions=2, b=3, delta_rule=True, seed=5)   # a prefill chunk
 def test_recurrence_matches_reference(t, ratio, dk, dv, positions, b, delta_rule, seed):
-    """Decode (t = 1) and verify chunks, rows that are padding (q_len 0, slot out of range), fresh or
+    """Decode (t = 1), verify and prefill chunks, rows that are padding (q_len 0, slot out of range), fresh or
     reading a later state position, GQA ratios; outputs and every pool position."""
     rng = np.random.default_rng(seed)
     num_slots, hk = 7, 2
