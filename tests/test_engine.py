@@ -6,7 +6,7 @@ import pytest
 from conftest import random_prompts
 
 from atlas_jax import SamplingParams
-from atlas_jax.engine.runner import RowInput
+from atlas_jax.engine.runner import RowInput, prefill_token_buckets
 from atlas_jax.engine.sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, sample
 
 
@@ -169,3 +169,13 @@ def test_request_output_is_a_snapshot_and_deltas_are_explicit(default_llm):
     final = req.output().outputs[0]
     assert sum((d.outputs[0].token_ids for d in deltas), []) == final.token_ids and len(final.token_ids) == 6
     assert "".join(d.outputs[0].text for d in deltas) == final.text
+
+
+def test_prefill_buckets_pad_chunks_of_64_tokens_and_more_less_than_twice():
+    assert prefill_token_buckets(32) == [16, 32]
+    assert prefill_token_buckets(256) == [16, 64, 128, 256]
+    assert prefill_token_buckets(300) == [16, 64, 128, 256, 300]
+    for cap in (64, 100, 256, 2048):
+        buckets = prefill_token_buckets(cap)
+        for n in range(64, cap + 1):
+            assert n <= next(b for b in buckets if b >= n) < 2 * n

@@ -65,11 +65,13 @@ def powers_of_two(cap: int) -> list[int]:
 
 
 def prefill_token_buckets(max_chunk: int) -> list[int]:
-    """Tp buckets: 16, 64, 256, ... (x4) below max_chunk, and max_chunk itself."""
+    """Tp buckets: 16, 64, then doubling (128, 256, ...) below max_chunk, and max_chunk itself. From 64
+    tokens up a chunk is padded to less than twice its length (a step's cost there grows with its tokens);
+    below, a step costs mostly its weight sweep, so fewer buckets."""
     out, t = [], 16
     while t < max_chunk:
         out.append(t)
-        t *= 4
+        t = t * 4 if t < 64 else t * 2
     return out + [max_chunk]
 
 
