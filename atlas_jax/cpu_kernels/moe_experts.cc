@@ -41,7 +41,7 @@ constexpr int64_t up_passes(int64_t rows) { return PANEL_UP / (VW * up_vecs(stat
 
 // Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
 // (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
-template <int R, bool GLU, bool PF>
+template <int R, bool GLU, int PF>
 void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1, bool first, bool last,
              float (*ag_out)[PANEL_UP], float (*au_out)[PANEL_UP], float* const* hr, Prefetch& prefetch) {
   constexpr int V = up_vecs(R);
@@ -109,9 +109,9 @@ void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
           hr[r] = p.hidden + (r0 + r) * p.Fp + j * PANEL_UP;
         }
         with_rows<UP_ROWS>(rows, [&](auto R) {
-          with_prefetch(pf, [&](auto active) {
-            if (p.glu) up_tile<R(), true, active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
-            else up_tile<R(), false, active()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+          with_prefetch(pf, [&](auto lines) {
+            if (p.glu) up_tile<R(), true, lines()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+            else up_tile<R(), false, lines()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
           });
         });
       },

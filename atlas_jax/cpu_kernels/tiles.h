@@ -35,30 +35,38 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // mask + 1 k-iterations, into L2): DRAM streams under the FMAs instead of stalling the first tile.
 constexpr int64_t KC = 128, ROW_BLOCK = 48;
 
+// Lines a prefetching k-iteration issues when a chunk has fewer k-iterations than lines to fetch (one or two
+// tiles of a few rows, one pass each: the memory-bound shapes, e.g. an expert's 8 pairs at 32 tokens).
+constexpr int BURST = 4;
+
 struct Prefetch {
   const char* p = nullptr;
   const char* end = nullptr;
   int64_t mask = 0;
+  bool burst = false;     // BURST lines per k-iteration, else one line every mask + 1 k-iterations
   // next [bytes] prefetched over `iterations` k-iterations to come.
   Prefetch(const void* next, int64_t bytes, int64_t iterations)
       : p(static_cast<const char*>(next)), end(p + (next ? bytes : 0)) {
-    const int64_t every = std::max<int64_t>(1, iterations / std::max<int64_t>(1, bytes / 64));
+    const int64_t lines = std::max<int64_t>(1, bytes / 64);
+    const int64_t every = std::max<int64_t>(1, iterations / lines);
     while ((mask + 1) * 2 <= every) mask = mask * 2 + 1;
+    burst = 2 * iterations <= lines;
   }
   bool active() const { return p < end; }
 };
 
-// The k-loop's side of a Prefetch, in registers: PF = false compiles to nothing.
-template <bool PF>
+// The k-loop's side of a Prefetch, in registers: PF = 0 (nothing left to prefetch) compiles to nothing;
+// PF = 1 one line per step, PF = BURST that many (Prefetch::burst).
+template <int PF>
 struct PrefetchCursor {
   const char *p, *end;
   int64_t mask;
   explicit PrefetchCursor(const Prefetch& pf) : p(pf.p), end(pf.end), mask(pf.mask) {}
   inline void step(int64_t k) {
-    if constexpr (PF) {
+    if constexpr (PF > 0) {
       if ((k & mask) == 0 && p < end) {
-        __builtin_prefetch(p, 0, 2);
-        p += 64;
+        for (int i = 0; i < PF; ++i) __builtin_prefetch(p + 64 * i, 0, 2);
+        p += 64 * PF;
       }
     }
   }
@@ -82,7 +90,7 @@ constexpr int64_t dn_passes(int64_t rows) { return PANEL_DN / (VW * dn_vecs(stat
 
 // acc[r][0 : PANEL_DN] (+)= hr[r][k0 : k1] @ panel[k0 : k1, 0 : PANEL_DN] (a packed weight panel, rows
 // contiguous); first: from zero.
-template <int R, bool PF>
+template <int R, int PF>
 void panel_tile(const float* const* hr, const float* panel, int64_t k0, int64_t k1, bool first,
                 float (*acc_out)[PANEL_DN], Prefetch& prefetch) {
   constexpr int V = dn_vecs(R);
@@ -122,11 +130,12 @@ void with_rows(int rows, Fn&& fn) {
   }
 }
 
-// fn(std::true_type) while pf has lines left to prefetch, else fn(std::false_type): a tile's PF argument.
+// fn(std::integral_constant<int, PF>): a tile's PF argument (PrefetchCursor) for what pf has left to do.
 template <typename Fn>
 void with_prefetch(const Prefetch& pf, Fn&& fn) {
-  if (pf.active()) fn(std::true_type{});
-  else fn(std::false_type{});
+  if (!pf.active()) fn(std::integral_constant<int, 0>{});
+  else if (pf.burst) fn(std::integral_constant<int, BURST>{});
+  else fn(std::integral_constant<int, 1>{});
 }
 
 // The traversal of one panel [K, width] that the GEMM kernels share: rows [r_begin, r_end) in blocks of
@@ -162,7 +171,7 @@ void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const
         const float* ar[DN_ROWS];
         for (int r = 0; r < rows; ++r) ar[r] = a + (r0 + r) * K;
         with_rows<DN_ROWS>(rows, [&](auto R) {
-          with_prefetch(pf, [&](auto active) { panel_tile<R(), active()>(ar, panel, k0, k1, k0 == 0, out + i, pf); });
+          with_prefetch(pf, [&](auto lines) { panel_tile<R(), lines()>(ar, panel, k0, k1, k0 == 0, out + i, pf); });
         });
       },
       [&](int64_t b0, int64_t b1) { for (int64_t r = b0; r < b1; ++r) emit(r, out[r - b0]); });
