@@ -31,8 +31,8 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 // Panels are consumed in chunks of KC rows (KC x 256 B = 32 KB of a 64-wide panel): every row tile of a
 // block of up to ROW_BLOCK rows runs over a chunk (its partial sums kept in a 12 KB buffer) before the next
 // chunk, so the chunk is read from DRAM once and re-read from L1 / L2, and a panel never has to fit in L2
-// whole (K = 4096 makes 1 MB panels). Meanwhile the next chunk is prefetched (one cache line every
-// mask + 1 k-iterations, into L2): DRAM streams under the FMAs instead of stalling the first tile.
+// whole (K = 4096 makes 1 MB panels). Meanwhile the next chunks are prefetched into L2, spread over the
+// chunk's k-iterations (Prefetch): DRAM streams under the FMAs instead of stalling the first tile.
 constexpr int64_t KC = 128, ROW_BLOCK = 48;
 
 // Lines a prefetching k-iteration issues when a chunk has fewer k-iterations than lines to fetch (one or two
