@@ -5,12 +5,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from budget import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import random_prompts
 from test_engine import sampling_batch
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.sampler import sample
+from atlas_jax.models.decoder import argmax
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +183,19 @@ def test_stop_token_text_left_out_unless_asked(default_llm):
     assert out.token_ids == [tok] and out.text == "" and out.stop_reason == tok
     kept = llm.generate(prompt, SamplingParams(include_stop_str_in_output=True, **args))[0].outputs[0]
     assert kept.text == llm.tokenizer.decode([tok])
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(st.integers(1, 5), st.integers(1, 300), st.integers(0, 2**31 - 1), st.sampled_from(["ties", "nan", "inf", "plain"]))
+def test_argmax_is_jnp_argmax(rows, vocab, seed, kind):
+    """decoder.argmax (two plain reductions, the fast form on CPU) == jnp.argmax: first maximum, first NaN."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-3, 3, (rows, vocab)).astype(np.float32) if kind == "ties" else \
+        rng.standard_normal((rows, vocab)).astype(np.float32)
+    if kind in ("nan", "inf"):
+        mask = rng.random((rows, vocab)) < 0.3
+        x[mask] = np.nan if kind == "nan" else rng.choice([np.inf, -np.inf], mask.sum())
+    x[0] = -np.inf if kind == "inf" else x[0]                  # a row with every token banned
+    got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))

@@ -22,6 +22,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from ..models.decoder import argmax
+
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 128     # logit_bias entries per request
 MAX_ALLOWED_TOKENS = 256  # allowed_token_ids per request
@@ -148,7 +150,7 @@ def sample(logits, s: SamplingBatch, ps: PenaltyState | None = None) -> SampleOu
         logits = jax.lax.cond(penalised, _apply_penalties, lambda l, s, ps: l, logits, s, ps)
     biased = jnp.any(s.bias_ids != NO_BIAS)
     logits = jax.lax.cond(biased, _apply_bias, lambda l, s: l, logits, s)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     drawn = jax.lax.cond(jnp.any(s.temperature > 0), _draw, lambda l, s: greedy, logits, s)
     tokens = jnp.where(s.temperature > 0, drawn, greedy)
     b = logits.shape[0]
@@ -181,7 +183,7 @@ def verify(logits, drafts, s: SamplingBatch):
     flat = logits.reshape(b * k, v)
     rep = jax.tree.map(lambda x: jnp.repeat(x, k, axis=0), s)
     rep = dataclasses.replace(rep, step=rep.step + jnp.tile(jnp.arange(k, dtype=jnp.int32), b))
-    greedy = jnp.argmax(flat, axis=-1).astype(jnp.int32)
+    greedy = argmax(flat)
     d = drafts.reshape(-1)
     target, accept = jax.lax.cond(jnp.any(s.temperature > 0), _verify_sampled,
                                   lambda l, d, s, g: (g, d == g), flat, d, rep, greedy)

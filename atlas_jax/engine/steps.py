@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 from ..models import mtp
 from ..layers.lora import with_pool
-from ..models.decoder import forward, last_positions, lm_head
+from ..models.decoder import argmax, forward, last_positions, lm_head
 from ..state.cache import ModelState
 from .sampler import PenaltyState, record_fed_tokens, sample, verify
 
@@ -101,7 +101,7 @@ def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segmen
         seg = dataclasses.replace(segment, tokens=tok[:, None], start=segment.start + j,
                                   q_len=jnp.where((segment.q_len > 0) & (j < caps), 1, 0))
         logits, _, model = forward(_params(params, state), model, (seg,), cfg, kernels=kernels, skip_recurrent=True)
-        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        tok = argmax(logits)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), dataclasses.replace(state, model=model)
 

@@ -58,6 +58,15 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
         return x, layer_state
 
 
+def argmax(logits):
+    """[..., V] -> [...] int32: jnp.argmax's answer (the first maximum; the first NaN if any), as two plain
+    reductions. XLA:CPU lowers jnp.argmax to a scalar (value, index) reduce: 2.4 ms for [32, 32000] vs 0.5."""
+    top = jnp.max(logits, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    hit = (logits == top) | jnp.isnan(logits)
+    return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
+
+
 def lm_head(params, x):
     w = params["lm_head"] if "lm_head" in params else params["embed"].T
     if isinstance(w, PackedLinear):                  # the CPU custom call (fp32 throughout)

@@ -23,7 +23,7 @@ from ..config import FULL_ATTENTION, ModelConfig
 from ..kernels import XLA, Kernels
 from ..layers.norms import rms_norm
 from ..layers.rope import rope_cos_sin
-from .decoder import decoder_layer, last_positions, lm_head
+from .decoder import argmax, decoder_layer, last_positions, lm_head
 
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
@@ -61,7 +61,7 @@ def propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg:
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in caught])
     out, kv = mtp_forward(params, kv, caught, tokens, hidden, cfg, 0, kernels)
     h = last_positions(out, caught)                                                     # [R, H]
-    draft = jnp.argmax(lm_head(params, h), axis=-1).astype(jnp.int32)
+    draft = argmax(lm_head(params, h))
     drafts = [draft]
     start = jnp.concatenate([s.start + n for s, n in zip(caught, catch_len)])          # the emitted token's position
     table = jnp.concatenate([s.block_table for s in caught])
@@ -71,7 +71,7 @@ def propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg:
         seg = StepBatch(tokens=draft[:, None], q_len=live.astype(jnp.int32), start=start + j - 1, block_table=table,
                         slot=slot, state_idx=jnp.zeros_like(slot))
         h, kv = mtp_forward(params, kv, (seg,), draft, h, cfg, j, kernels)
-        draft = jnp.argmax(lm_head(params, h), axis=-1).astype(jnp.int32)
+        draft = argmax(lm_head(params, h))
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), kv
 
