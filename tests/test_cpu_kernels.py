@@ -100,3 +100,47 @@ def test_pack_linears_packs_projections_only():
         assert isinstance(kept, jax.Array)
     x = jnp.ones((2, 3, 16))
     np.testing.assert_array_equal(x @ lay["attn"]["q"], x @ p["layers"][0]["attn"]["q"])
+
+
+def _attention_float64(q, k_pages, v_pages, table, start, q_len, scale):
+    """Dense float64 attention: query t of row b sees its row's KV positions 0 .. start + t."""
+    b, t, h, d = q.shape
+    page_size, hkv = k_pages.shape[1], k_pages.shape[2]
+    out = np.zeros((b, t, h, d))
+    for r in range(b):
+        for i in range(q_len[r]):
+            pos = np.arange(start[r] + i + 1)
+            pages = table[r, pos // page_size]
+            k = k_pages[pages, pos % page_size].astype(np.float64)           # [L, Hkv, D]
+            v = v_pages[pages, pos % page_size].astype(np.float64)
+            for head in range(h):
+                s = scale * k[:, head // (h // hkv)] @ q[r, i, head].astype(np.float64)
+                p = np.exp(s - s.max())
+                out[r, i, head] = p @ v[:, head // (h // hkv)] / p.sum()
+    return out
+
+
+@settings(max_examples=examples(24), deadline=None)
+@given(b=st.integers(1, 5), t=st.sampled_from([1, 2, 3, 8]), hkv=st.sampled_from([1, 2]), group=st.sampled_from([1, 4]),
+       d=st.sampled_from([8, 64, 128, 36]), page_size=st.sampled_from([4, 16]), seed=st.integers(0, 10_000))
+@example(b=3, t=1, hkv=2, group=4, d=128, page_size=16, seed=1)     # the bench model's decode (Qwen3-Next head shapes)
+def test_paged_attention_matches_float64(b, t, hkv, group, d, page_size, seed):
+    """Decode / verify rows at random context lengths (several online-softmax blocks), padding rows
+    (q_len 0: zeros), rows feeding fewer tokens than T, pages scattered over the pool, unused table
+    entries pointing at page 0."""
+    rng = np.random.default_rng(seed)
+    max_pages, num_pages = 24, 64
+    k_pages, v_pages = (rng.standard_normal((num_pages, page_size, hkv, d)).astype(np.float32) for _ in range(2))
+    q = rng.standard_normal((b, t, hkv * group, d)).astype(np.float32)
+    q_len = rng.integers(0, t + 1, b).astype(np.int32)
+    q_len[0] = t
+    start = rng.integers(0, max_pages * page_size - t, b).astype(np.int32)
+    table = np.zeros((b, max_pages), np.int32)
+    for r in range(b):
+        used = -(-(start[r] + q_len[r]) // page_size)
+        table[r, :used] = rng.choice(np.arange(1, num_pages), used, replace=False)
+    scale = d ** -0.5
+    o = jax.jit(cpu_kernels.paged_attention, static_argnames="scale")(q, k_pages, v_pages, table, start, q_len,
+                                                                      scale=scale)
+    np.testing.assert_allclose(o, _attention_float64(q, k_pages, v_pages, table, start, q_len, scale),
+                               atol=2e-5, rtol=2e-5)

@@ -19,13 +19,15 @@ import threading
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "linear.cc")
+_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "linear.cc", "paged_attention.cc")
 _HEADERS = ("common.h", "tiles.h")
 _TARGETS = {"atlas_moe_experts": "AtlasMoeExperts",       # FFI target name -> exported handler symbol
-            "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_linear": "AtlasLinear"}
+            "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_linear": "AtlasLinear",
+            "atlas_paged_attention": "AtlasPagedAttention"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
 _state: dict = {}                                         # "ok": bool, "error": str
@@ -135,3 +137,13 @@ def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, delta_
     return jax.ffi.ffi_call("atlas_gdn_recurrent", out, input_output_aliases={5: 1})(
         f32(q), f32(k), f32(v), f32(g), f32(beta), h_pool, i32(slot), i32(read_idx), i32(q_len), i32(fresh),
         delta_rule=delta_rule)
+
+
+def paged_attention(q, k_pages, v_pages, block_table, start, q_len, scale: float):
+    """layers/attention.paged_attention (no soft-cap, no window) reading K / V in place from the pages:
+    q [B, T, H, D]; k_pages, v_pages [P, S, Hkv, D] fp32; block_table [B, MP]; start, q_len [B].
+    Returns o [B, T, H, D] fp32 (zeros for t >= q_len)."""
+    i32 = lambda a: a.astype(jnp.int32)
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    return jax.ffi.ffi_call("atlas_paged_attention", out)(
+        q.astype(jnp.float32), k_pages, v_pages, i32(block_table), i32(start), i32(q_len), scale=np.float32(scale))

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import paged_attention as pallas_attention
 
+from .. import cpu_kernels
 from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
 from .lora import project
@@ -20,6 +21,7 @@ from .norms import rms_norm
 from .rope import apply_rope
 
 KV_BLOCK_TOKENS = 256
+CPU_KERNEL_TOKENS = 8      # Kernels.cpu: segments of up to this many tokens a row (decode, verify) read pages in place
 
 
 def write_kv(pages, new, batch):
@@ -118,6 +120,10 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
         if kernels.pallas and (kernels.interpret or pallas_attention.supported(k_pages.shape[1], hd)):
             o = pallas_attention.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
                                                  scale=hd ** -0.5, interpret=kernels.interpret)
+        elif kernels.cpu and q_s.shape[1] <= CPU_KERNEL_TOKENS and k_pages.dtype == jnp.float32 \
+                and cpu_kernels.available():
+            o = cpu_kernels.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
+                                            hd ** -0.5).astype(q_s.dtype)
         else:
             o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5)
         outs.append(o)
