@@ -1,12 +1,14 @@
 """Engine-level behaviour on the embedded default model: sampling reproducibility, batch
 invariance, padding inertness, stop conditions, bad input, no leaked pages or slots."""
+import collections
+
 import numpy as np
 import pytest
 
 from conftest import random_prompts
 
 from atlas_jax import SamplingParams
-from atlas_jax.engine.runner import RowInput, prefill_token_buckets
+from atlas_jax.engine.runner import RowInput, mixed_decode_buckets, powers_of_two, prefill_token_buckets
 from atlas_jax.engine.sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, sample
 
 
@@ -171,6 +173,21 @@ def test_request_output_is_a_snapshot_and_deltas_are_explicit(default_llm):
     assert "".join(d.outputs[0].text for d in deltas) == final.text
 
 
+def test_mixed_steps_pad_decode_rows_less_than_twice():
+    """A compute-bound mixed step pays for every padding row: from its smallest bucket (16, or a quarter of
+    the slots) up, the decode segment is less than twice the decoding rows (a 64-slot engine used to pad
+    4 rows to 64), with at most three buckets (compiles: |these| x |prefill shapes|); small engines keep one."""
+    assert mixed_decode_buckets(powers_of_two(8)) == [8]
+    assert mixed_decode_buckets(powers_of_two(16)) == [16]
+    assert mixed_decode_buckets(powers_of_two(64)) == [16, 32, 64]
+    assert mixed_decode_buckets(powers_of_two(256)) == [64, 128, 256]
+    for cap in (32, 64, 128, 512):
+        buckets = mixed_decode_buckets(powers_of_two(cap))
+        assert len(buckets) <= 3 and buckets[-1] == cap and buckets[0] == max(16, cap // 4)
+        for n in range(buckets[0], cap + 1):
+            assert n <= next(b for b in buckets if b >= n) < 2 * n
+
+
 def test_prefill_buckets_pad_chunks_of_64_tokens_and_more_less_than_twice():
     assert prefill_token_buckets(32) == [16, 32]
     assert prefill_token_buckets(256) == [16, 64, 128, 256]
@@ -179,3 +196,27 @@ def test_prefill_buckets_pad_chunks_of_64_tokens_and_more_less_than_twice():
         buckets = prefill_token_buckets(cap)
         for n in range(64, cap + 1):
             assert n <= next(b for b in buckets if b >= n) < 2 * n
+
+
+def test_mixed_steps_at_each_decode_bucket_equal_solo_runs(tiny_model_path):
+    """A 32-slot engine admits one prompt chunk a step, so its mixed steps carry 1 .. ~20 decoding rows: padded to
+    16, then to 32 (runner.mixed_decode_buckets). Greedy tokens equal each prompt run alone; nothing
+    compiles after warm-up."""
+    from atlas_jax import LLM
+    llm = LLM(tiny_model_path, dtype="float32", page_size=8, max_num_seqs=32, max_model_len=80, max_prefill_chunk=16,
+              max_prefill_rows=1, warmup=True, progress=False)
+    assert llm.runner.mixed_decode_buckets == [16, 32]
+    used = collections.Counter()
+    executable = llm.runner._executable
+
+    def recording(kind, args):
+        used[tuple(seg.tokens.shape for seg in args[0])] += kind == "step"
+        return executable(kind, args)
+    llm.runner._executable = recording
+    compiles = llm.num_compiles
+    prompts = random_prompts(512, [20 + i % 9 for i in range(20)], seed=5)
+    greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert used[((16, 1), (1, 16))] and used[((32, 1), (1, 16))]
+    assert together == [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
+    assert llm.num_compiles == compiles

@@ -5,8 +5,9 @@ Every step is a tuple of padded-dense segments (batch.py) compiled ahead of time
 `num_compiles` counts every compilation, so a recompile in serving is visible. The buckets
 (`step_shapes`, all compiled by `warmup`):
   decode:  one segment [Bd, 1], Bd a power of two <= bucket(max_num_seqs);
-  mixed:   a decode segment [Bd_max, 1] (padding rows where fewer decode) + a prefill segment
-           [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets;
+  mixed:   a decode segment [Bm, 1] (padding rows where fewer decode) + a prefill segment
+           [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets; Bm in
+           mixed_decode_buckets (the largest decode buckets, each at least 16);
   prefill: the prefill segment alone, when no row decodes (a first request's time to first token
            would otherwise carry Bd_max padding rows through every layer).
 The block table always spans max_pages_per_seq pages (attention walks only the blocks the
@@ -64,6 +65,15 @@ def powers_of_two(cap: int) -> list[int]:
     return [1 << i for i in range(bucket(cap).bit_length())]
 
 
+def mixed_decode_buckets(decode_buckets: list[int]) -> list[int]:
+    """Decode-segment sizes of mixed steps: the top three decode buckets (a factor of 4 below the largest), none
+    below 16. A mixed step is compute-bound on CPU, so every padding row costs a prompt token's work: with
+    only Bd_max, a 64-slot engine ran 60 padding rows beside 4 decoding ones. Below 16 rows the padding is
+    small beside the >= 16-token prefill segment, and the compiles (|these| x |prefill shapes|) stay few."""
+    top = decode_buckets[-1]
+    return [b for b in decode_buckets if b >= min(top, max(16, top // 4))]
+
+
 def prefill_token_buckets(max_chunk: int) -> list[int]:
     """Tp buckets: 16, 64, then doubling (128, 256, ...) below max_chunk, and max_chunk itself. From 64
     tokens up a chunk is padded to less than twice its length (a step's cost there grows with its tokens);
@@ -92,6 +102,7 @@ class ModelRunner:
         self.decode_buckets = powers_of_two(max_num_seqs)
         self.prefill_row_buckets = powers_of_two(max_prefill_rows)
         self.prefill_token_buckets = prefill_token_buckets(max_prefill_chunk)
+        self.mixed_decode_buckets = mixed_decode_buckets(self.decode_buckets)
         self.verify_sizes = list(range(2, max_verify_tokens + 1))    # K buckets: last token + K - 1 drafts
         self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
@@ -134,10 +145,9 @@ class ModelRunner:
     # ---- buckets -----------------------------------------------------------------------------
     def step_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         """Every segment-shape tuple `step` can run (what warmup compiles)."""
-        bd = self.decode_buckets[-1]
         shapes = [((b, 1),) for b in self.decode_buckets]
         prefill = [(bp, tp) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
-        return shapes + [((bd, 1), p) for p in prefill] + [(p,) for p in prefill]
+        return shapes + [((bm, 1), p) for bm in self.mixed_decode_buckets for p in prefill] + [(p,) for p in prefill]
 
     def verify_shapes(self) -> list[tuple[tuple[int, int], ...]]:
         """Every segment-shape tuple `verify` can run: [B, K] alone, and [B_max, K_max] + each prefill shape."""
@@ -245,7 +255,7 @@ class ModelRunner:
             segments = (self._segment(prefill, *self._prefill_shape(prefill)),)
             sampling_rows = list(prefill)
         elif prefill:
-            bd = self.decode_buckets[-1]
+            bd = next(b for b in self.mixed_decode_buckets if b >= len(decode))
             segments = (self._segment(decode, bd, 1), self._segment(prefill, *self._prefill_shape(prefill)))
             sampling_rows = list(decode) + [None] * (bd - len(decode)) + list(prefill)
         else:

@@ -7,8 +7,8 @@ then running sequences still in prefill get a chunk of <= max_prefill_chunk, and
 sequences are admitted while slots, prefill rows, the token budget and pages (above a watermark)
 allow. Rows of one token form the decode segment, longer chunks the prefill segment of the same
 mixed step. The budget (max_num_batched_tokens) bounds the prefill segment only: the decode segment
-is compiled at its full bucket in every mixed step, so decode rows cost the prefill nothing (counting
-them would only cut a chunk short, pad it back to the same shape and add a step).
+is padded to a compiled bucket of its own (runner.mixed_decode_buckets), so counting decode rows would
+only cut a chunk short, pad it back to the same shape and add a step.
 
 Pages are allocated as a sequence grows. When a running sequence needs a page and none is
 free, the running sequence with the least progress (fewest cached tokens; latest arrival on a
