@@ -13,7 +13,7 @@ With no checkpoint it measures the shipped default model. Prompts are random tok
 accepted on text like its training data).
 Reports tokens/s per batch size, the weight bytes one decode step must read (dense weights +
 the top-k experts' share), the achieved GB/s, the device's memory bandwidth measured in the same
-run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the engine; GPU: a
+run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the engine, median of 5 rounds; GPU: a
 device-to-device copy of 2 GB, read + write bytes), and the compile count after warm-up (the
 engine compiles every bucket up front; serving must add none). Each measurement is the best
 of two runs. With --vs-hf, HF transformers (torch, CPU) runs the same prompts on the same
@@ -63,17 +63,21 @@ def checkpoint_path(ckpt: str | None, make: str | None) -> str | None:
     return path
 
 
-def memory_bandwidth_gbs() -> float:
-    """Read bandwidth on CPU (jitted reduction), read + write bandwidth of a copy elsewhere."""
+def memory_bandwidth_gbs(rounds: int = 5) -> list[float]:
+    """Read bandwidth on CPU (jitted reduction), read + write bandwidth of a copy elsewhere: one figure per
+    round (the median is the roofline; a shared VM's rounds differ by up to 2x)."""
     import jax.numpy as jnp
     cpu = jax.default_backend() == "cpu"
     x = jnp.ones(((512 if cpu else 2048) * 2**20 // 4,), jnp.float32)
     fn = jax.jit(jnp.sum) if cpu else jax.jit(lambda a: a * 1.0001)
     jax.block_until_ready(fn(x))
-    iters = 5 if cpu else 20
-    t0 = time.perf_counter()
-    jax.block_until_ready([fn(x) for _ in range(iters)])
-    return (1 if cpu else 2) * x.nbytes * iters / (time.perf_counter() - t0) / 1e9
+    iters = 3 if cpu else 20
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        jax.block_until_ready([fn(x) for _ in range(iters)])
+        out.append(round((1 if cpu else 2) * x.nbytes * iters / (time.perf_counter() - t0) / 1e9, 2))
+    return out
 
 
 def _timed(fn) -> float:
@@ -128,12 +132,14 @@ def main():
     load_s = time.perf_counter() - t0
     rng = np.random.default_rng(0)
     step_bytes = decode_bytes(llm)
-    bandwidth = memory_bandwidth_gbs()
+    probes = memory_bandwidth_gbs()
+    bandwidth = float(np.median(probes))
     result = {"checkpoint": ckpt, "dtype": str(llm.dtype), "backend": jax.default_backend(),
               "kernels": llm.kernels.name, "jax": jax.__version__,
               "prompt": args.prompt, "new": args.new, "load_and_warmup_s": round(load_s, 2),
               "warmup_compiles": llm.num_warmup_compiles,
-              "weight_bytes_per_decode_step": step_bytes, "memory_gbs": round(bandwidth, 2), "batches": {}}
+              "weight_bytes_per_decode_step": step_bytes, "memory_gbs": round(bandwidth, 2),
+              "memory_gbs_rounds": probes, "batches": {}}
     hf = _load_hf(ckpt, llm.dtype) if args.vs_hf else None
     truth = {}                                   # oracle drafts: prompt -> the plain run's greedy output
 
