@@ -1,6 +1,7 @@
 """Engine-level behaviour on the embedded default model: sampling reproducibility, batch
 invariance, padding inertness, stop conditions, bad input, no leaked pages or slots."""
 import collections
+import re
 
 import numpy as np
 import pytest
@@ -220,3 +221,15 @@ def test_mixed_steps_at_each_decode_bucket_equal_solo_runs(tiny_model_path):
     assert used[((16, 1), (1, 16))] and used[((32, 1), (1, 16))]
     assert together == [llm.generate([p], greedy)[0].outputs[0].token_ids for p in prompts]
     assert llm.num_compiles == compiles
+
+
+def test_no_compiled_step_copies_a_state_pool(default_llm):
+    """Every serving step updates the KV and recurrent-state pools in place. A mixed step used to copy each KV
+    pool twice (a segment's KV write after another segment's attention had read the pool)."""
+    import jax
+    r = default_llm.runner
+    pools = {",".join(map(str, a.shape)) for a in jax.tree.leaves(r.state.model)}
+    copy = re.compile(r"= f32\[(" + "|".join(pools) + r")\]\S* copy\(")
+    for kind, shape in [("step", s) for s in r.step_shapes()] + [("verify", s) for s in r.verify_shapes()]:
+        text = r._executable(kind, r.abstract_args(kind, shape)).as_text()
+        assert not [line for line in text.splitlines() if copy.search(line)], (kind, shape)

@@ -96,7 +96,7 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
     """Full-attention mixer. p: q/k/v/o projections ([in, out]), optional biases, optional q_norm,
     k_norm; kv = (k_pages, v_pages). x [N, H] flat over the segments; cos/sin [N, R].
     Returns ([N, H], kv). The KV write is XLA's scatter either way; `kernels` picks the attention
-    (compiled Pallas only for shapes it takes, else XLA)."""
+    (compiled Pallas only for shapes it takes; the CPU kernel for decode / verify segments; else XLA)."""
     n = x.shape[0]
     hd = cfg.head_dim
     q, k, v = (project(x, p, name, slot) for name in ("q", "k", "v"))
@@ -113,10 +113,13 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
     if cfg.rotary_dim:                                   # Nemotron-H's attention has no positional encoding
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages, v_pages = kv
-    outs = []
-    for seg, q_s, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (q, k, v))):
+    # Every segment's K / V is written before any segment attends: a write after another segment's read of
+    # the pool would make XLA copy the whole pool (segments hold distinct sequences, so the order is free).
+    for seg, k_s, v_s in zip(segments, *(split_segments(a, segments) for a in (k, v))):
         k_pages = write_kv(k_pages, k_s, seg)
         v_pages = write_kv(v_pages, v_s, seg)
+    outs = []
+    for seg, q_s in zip(segments, split_segments(q, segments)):
         if kernels.pallas and (kernels.interpret or pallas_attention.supported(k_pages.shape[1], hd)):
             o = pallas_attention.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
                                                  scale=hd ** -0.5, interpret=kernels.interpret)
