@@ -13,11 +13,12 @@ With no checkpoint it measures the shipped default model. Prompts are random tok
 accepted on text like its training data).
 Reports tokens/s per batch size, the weight bytes one decode step must read (dense weights +
 the top-k experts' share), the achieved GB/s, the device's memory bandwidth measured in the same
-run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the engine, median of 5 rounds; GPU: a
-device-to-device copy of 2 GB, read + write bytes), and the compile count after warm-up (the
-engine compiles every bucket up front; serving must add none). Each measurement is the best
-of two runs (of 2 x --rounds: the batch sweep repeated, interleaved). With --vs-hf, HF transformers (torch, CPU) runs the same prompts on the same
-checkpoint in the same process, and the JSON carries the ratios atlas_jax / HF.
+run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the engine, median
+of 5 rounds; GPU: a device-to-device copy of 2 GB, read + write bytes), and the compile count
+after warm-up (the engine compiles every bucket up front; serving must add none). Each
+measurement is the best of two runs (of 2 x --rounds: the batch sweep repeated, interleaved).
+With --vs-hf, HF transformers (torch, CPU) runs the same prompts on the same checkpoint in the
+same process, and the JSON carries the ratios atlas_jax / HF.
 """
 import argparse
 import json

@@ -7,7 +7,7 @@ Every step is a tuple of padded-dense segments (batch.py) compiled ahead of time
   decode:  one segment [Bd, 1], Bd a power of two <= bucket(max_num_seqs);
   mixed:   a decode segment [Bm, 1] (padding rows where fewer decode) + a prefill segment
            [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets; Bm in
-           mixed_decode_buckets (the largest decode buckets, each at least 16);
+           mixed_decode_buckets (the decode buckets from max(16, Bd_max / 4) up; Bd_max alone up to 16);
   prefill: the prefill segment alone, when no row decodes (a first request's time to first token
            would otherwise carry Bd_max padding rows through every layer).
 The block table always spans max_pages_per_seq pages (attention walks only the blocks the
@@ -66,8 +66,8 @@ def powers_of_two(cap: int) -> list[int]:
 
 
 def mixed_decode_buckets(decode_buckets: list[int]) -> list[int]:
-    """Decode-segment sizes of mixed steps: the top three decode buckets (a factor of 4 below the largest), none
-    below 16. A mixed step is compute-bound on CPU, so every padding row costs a prompt token's work: with
+    """Decode-segment sizes of mixed steps: the decode buckets from max(16, Bd_max / 4) up (at most three; Bd_max
+    alone when it is <= 16). A mixed step is compute-bound on CPU, so every padding row costs a prompt token's work: with
     only Bd_max, a 64-slot engine ran 60 padding rows beside 4 decoding ones. Below 16 rows the padding is
     small beside the >= 16-token prefill segment, and the compiles (|these| x |prefill shapes|) stay few."""
     top = decode_buckets[-1]
