@@ -299,8 +299,10 @@ def test_fuzz_real_server(server):
 
 
 def test_sigterm_drains(server):
-    """Last in this module: SIGTERM with 128 streams in flight (8 running, 120 waiting: ~18 waves of 80-120
-    tokens, far more than --shutdown-timeout allows). New requests get 503 + Retry-After and /health
+    """Last in this module: SIGTERM with 240 streams sent (the server takes 256 in flight): 8 running and
+    >= 200 waiting at the signal, ~30 waves of 80-120 tokens (~3000 steps), far more than --shutdown-timeout
+    allows even at 1 ms a step, while the first wave (~120 steps) ends inside it up to ~25 ms a step.
+    New requests get 503 + Retry-After and /health
     503 during the drain; the running streams finish; what is left at the timeout ends with an error
     event and [DONE] (or, never started, a 503 + Retry-After); nothing is cut; the process exits 0.
     The lengths differ so that rows finish at different steps: with equal lengths whole waves end
@@ -311,7 +313,7 @@ def test_sigterm_drains(server):
 
     async def go():
         async with httpx.AsyncClient(base_url=base, headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
-                                     limits=httpx.Limits(max_connections=200)) as http:
+                                     limits=httpx.Limits(max_connections=300)) as http:
             async def metric(name):
                 text = (await http.get("/metrics")).text
                 return next(float(line.split()[1]) for line in text.splitlines() if line.startswith(name + " "))
@@ -323,10 +325,10 @@ def test_sigterm_drains(server):
                         ok = r.status_code == 503 and r.headers.get("retry-after")
                         return "503" if ok else f"status {r.status_code}"
                     return stream_end([line[6:] async for line in r.aiter_lines() if line.startswith("data: ")])
-            tasks = [asyncio.create_task(stream(80 + 37 * i % 41)) for i in range(128)]
-            for _ in range(1000):                 # every request in the engine, all 8 slots taken, before the signal
+            tasks = [asyncio.create_task(stream(80 + 37 * i % 41)) for i in range(240)]
+            for _ in range(1000):                 # all 8 slots taken and most requests queued before the signal
                 running, waiting = await metric("atlas_running_requests"), await metric("atlas_waiting_requests")
-                if (running, waiting) == (8, 120):
+                if running == 8 and waiting >= 200:
                     break
                 await asyncio.sleep(0.01)
             proc.send_signal(signal.SIGTERM)
@@ -336,11 +338,11 @@ def test_sigterm_drains(server):
             return (running, waiting), refused, health, await asyncio.gather(*tasks)
     t0 = time.monotonic()
     at_signal, refused, health, ends = asyncio.run(go())
-    assert at_signal == (8, 120)
+    assert at_signal[0] == 8 and at_signal[1] >= 200, at_signal
     assert refused.status_code == 503 and refused.headers["retry-after"], refused.text
     assert refused.json()["error"]["type"] == "service_unavailable"
     assert health.status_code == 503 and "draining" in health.json()["error"]["message"]
     assert set(ends) <= {"finished", "error", "503"}, ends
-    assert ends.count("finished") >= 8 and ends.count("error") >= 1 and ends.count("finished") < 100, ends
+    assert ends.count("finished") >= 8 and ends.count("error") >= 1, ends      # an error: the timeout cut streams
     assert proc.wait(30) == 0
     assert time.monotonic() - t0 < SHUTDOWN_TIMEOUT + 30
