@@ -301,10 +301,10 @@ def test_fuzz_real_server(server):
 def test_sigterm_drains(server):
     """Last in this module: SIGTERM with 240 streams sent (the server takes 256 in flight): 8 running and
     >= 200 waiting at the signal, ~30 waves of 80-120 tokens (~3000 steps), far more than --shutdown-timeout
-    allows even at 1 ms a step, while the first wave (~120 steps) ends inside it up to ~25 ms a step.
-    New requests get 503 + Retry-After and /health
-    503 during the drain; the running streams finish; what is left at the timeout ends with an error
-    event and [DONE] (or, never started, a 503 + Retry-After); nothing is cut; the process exits 0.
+    allows even at 1 ms a step, while the first wave (~120 steps) ends inside it up to ~25 ms a step. New
+    requests get 503 + Retry-After and /health 503 during the drain; the running streams finish; what is
+    left at the timeout ends with an error event and [DONE] (or, never started, a 503 + Retry-After);
+    nothing is cut; the process exits 0.
     The lengths differ so that rows finish at different steps: with equal lengths whole waves end
     together, and a timeout that fell between a wave's last step and the next wave's first left no
     started stream to end with an error."""
