@@ -222,7 +222,7 @@ class ModelRunner:
 
     def _executable(self, kind: str, args):
         """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
-        key = (kind,) + tuple((a.shape, str(a.dtype)) for a in jax.tree.leaves(args))
+        key = (kind,) + tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))   # np / jnp dtypes hash alike
         exe = self._executables.get(key)
         if exe is None:
             exe = self._jitted[kind].lower(self.params, self.state, *args).compile()
