@@ -39,3 +39,16 @@ def keep_freed_blocks() -> bool:
 
 
 APPLIED = keep_freed_blocks()
+
+
+def memory_maps() -> tuple[int, int] | None:
+    """(memory mappings this process holds, the kernel's vm.max_map_count), or None off Linux. Every
+    live XLA:CPU executable holds a few hundred mappings (text / rodata / data of its JIT-compiled
+    kernels: ~350 for an atlas-tiny step); past the limit XLA's next compile fails to allocate."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            held = sum(1 for _ in f)
+        with open("/proc/sys/vm/max_map_count") as f:
+            return held, int(f.read())
+    except (OSError, ValueError):
+        return None

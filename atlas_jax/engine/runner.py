@@ -25,6 +25,7 @@ import numpy as np
 
 from ..batch import StepBatch
 from ..config import ModelConfig
+from ..host_memory import memory_maps
 from ..kernels import XLA, Kernels
 from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
@@ -445,8 +446,11 @@ class ModelRunner:
             jobs += [("prefix", None)] + ([("snapshot", None)] if self.num_snapshots else [])
         if self.lora:
             jobs += [("adapter", None)]
-        for kind, shape in tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step", disable=not progress):
+        maps_before = memory_maps()
+        for i, (kind, shape) in enumerate(tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step",
+                                               disable=not progress)):
             self._compile_abstract(kind, shape)
+            _check_map_budget(maps_before, i + 1, len(jobs))
         return self.num_compiles - before
 
     def _compile_abstract(self, kind, shape) -> None:
@@ -488,3 +492,23 @@ class ModelRunner:
             saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
             args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
         return args
+
+
+class MapBudgetError(RuntimeError):
+    """Warm-up would hold more memory mappings than the kernel allows (vm.max_map_count)."""
+
+
+def _check_map_budget(before: tuple[int, int] | None, done: int, total: int) -> None:
+    """Raise MapBudgetError once the warm-up's executables so far, extrapolated to all `total`, would pass
+    95% of vm.max_map_count: XLA would otherwise fail (or abort) in a later compile or while serving."""
+    now = memory_maps()
+    if before is None or now is None or done < 4:
+        return
+    per_exe = max(0, now[0] - before[0]) / done
+    projected = now[0] + per_exe * (total - done)
+    if projected > 0.95 * now[1]:
+        raise MapBudgetError(
+            f"warm-up compiles {total} executables holding ~{per_exe:.0f} memory mappings each: ~{projected:.0f} "
+            f"mappings in all, over this machine's vm.max_map_count ({now[1]}). Raise it (sysctl -w "
+            f"vm.max_map_count=262144) or compile fewer buckets (lower max_num_seqs, max_prefill_rows, "
+            f"max_prefill_chunk or num_drafts).")
