@@ -162,7 +162,9 @@ def main():
     steps = args.new - 1
     # per batch: best t_prefill, best t_decode (t_total - t_prefill of one round), compiles, HF rates
     best = {b: (float("inf"), float("inf"), 0, 0.0, 0.0) for b in batches}
-    spec_best = {}                               # per batch: _spec_throughput's record over the rounds
+    # per batch: _spec_throughput's record over the rounds (same = None until the outputs are compared)
+    spec_best = {b: {"t": float("inf"), "rounds": [], "drafted": 0, "accepted": 0, "compiles": 0, "same": None}
+                 for b in batches}
     for rnd in range(args.rounds):
         for b in batches:
             prompts, (t_prefill, t_decode, compiles, hf_prefill, hf_decode) = prompts_of[b], best[b]
@@ -183,7 +185,7 @@ def main():
                 if rnd == 0:
                     truth.update({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, full))})
                 row.update(_spec_throughput(spec, prompts, full, first, steps, round_total - round_prefill,
-                                            spec_best.setdefault(b, {}), row["decode_tokens_per_s"],
+                                            spec_best[b], row["decode_tokens_per_s"],
                                             [truth[tuple(p)] for p in prompts]))
             if rnd == 0 and lora is not None:
                 row.update(_lora_throughput(lora, adapters, prompts, full, first, steps, row["decode_tokens_per_s"]))
@@ -247,11 +249,12 @@ def _spec_throughput(spec, prompts, full, first, steps, t_plain: float, best: di
     t_total = min(_timed(lambda: spec.generate(prompts, full)) for _ in range(2))
     stats = spec.engine.spec_stats.summary()
     for key in ("drafted", "accepted"):
-        best[key] = best.get(key, 0) + stats[key] - before[key]
-    best["t"] = min(best.get("t", float("inf")), t_total - t_prefill)
-    best.setdefault("rounds", []).append(round(t_plain / (t_total - t_prefill), 3))
-    best["same"] = best.get("same", True) and [o.outputs[0].token_ids for o in spec.generate(prompts, full)] == plain_out
-    best["compiles"] = best.get("compiles", 0) + spec.num_compiles - compiles
+        best[key] += stats[key] - before[key]
+    best["t"] = min(best["t"], t_total - t_prefill)
+    best["rounds"].append(round(t_plain / (t_total - t_prefill), 3))
+    if best["same"] is None:                     # greedy outputs are deterministic: compared once
+        best["same"] = [o.outputs[0].token_ids for o in spec.generate(prompts, full)] == plain_out
+    best["compiles"] += spec.num_compiles - compiles
     rate = len(prompts) * steps / best["t"]
     return {"spec_decode_tokens_per_s": round(rate, 1),
             "spec_vs_plain_decode": round(rate / plain_rate, 2),

@@ -501,8 +501,10 @@ class MapBudgetError(RuntimeError):
 def _check_map_budget(before: tuple[int, int] | None, done: int, total: int) -> None:
     """Raise MapBudgetError once the warm-up's executables so far, extrapolated to all `total`, would pass
     95% of vm.max_map_count: XLA would otherwise fail (or abort) in a later compile or while serving."""
+    if before is None or done < 4:
+        return
     now = memory_maps()
-    if before is None or now is None or done < 4:
+    if now is None:
         return
     per_exe = max(0, now[0] - before[0]) / done
     projected = now[0] + per_exe * (total - done)
