@@ -4,7 +4,8 @@
     python scripts/bench.py ... --speculative ngram [--num-drafts 2]   # + speculative decoding side by side
     python scripts/bench.py --make qwen3-next-12l | nemotron-h-12l [...]   # writes a random 12-layer, hidden-1024,
                                                           # 16-expert Qwen3-Next first (under /tmp)
-    python scripts/bench.py --code-prompts --speculative mtp   # the shipped atlas-tiny on real code
+    python scripts/bench.py --code-prompts --speculative mtp --batch 1,8 --b1-prompts 8 --rounds 3 --new 128
+                                                          # the shipped atlas-tiny on real code (issue 14)
     python scripts/bench.py --make qwen3-next-12l --batch 8 --lora 16   # + decode with 0, 1, 4 LoRA adapters
     python scripts/bench.py --make qwen3-next-12l --batch 1,8,32,64 --prefill-prompts 512,2048 --vs-hf
                                                           # + prefill rows at longer prompts (batch 1)
@@ -116,8 +117,12 @@ def main():
                     "accepted, the ceiling of the verify machinery) side by side: tokens/s, acceptance, and "
                     "whether greedy outputs are identical")
     ap.add_argument("--num-drafts", type=int, default=2)
+    ap.add_argument("--token-map", default="auto", help="mtp: the head's draft vocabulary (a JSON list of token "
+                    "ids; auto: the checkpoint's draft_token_map.json if any; none: the whole vocabulary)")
     ap.add_argument("--code-prompts", action="store_true", help="prompts cut from the standard library's "
                     "held-out files (scripts/train_tiny.py's split) instead of random token ids")
+    ap.add_argument("--b1-prompts", type=int, default=1, help="batch 1 runs this many prompts one after another "
+                    "(a trained model's acceptance varies by prompt: one prompt is a poor sample)")
     ap.add_argument("--kernels", default="auto", help="auto (Pallas on GPU), xla, pallas")
     ap.add_argument("--prefill-prompts", default="", metavar="N,N", help="also measure prefill alone at these "
                     "prompt lengths (batch 1, chunks of up to 512 tokens, one engine of its own; HF beside it with "
@@ -151,12 +156,15 @@ def main():
         out = truth[tuple(seq.prompt_ids)]
         return out[len(seq.output_ids):len(seq.output_ids) + k]
     method = {"method": "scripted", "propose": oracle} if args.speculative == "oracle" else {"method": args.speculative}
+    if args.speculative == "mtp":
+        method["token_map"] = None if args.token_map == "none" else args.token_map
     spec = LLM(ckpt, speculative={**method, "num_drafts": args.num_drafts}, **engine) if args.speculative else None
     lora = LLM(ckpt, enable_lora=True, max_loras=4, max_lora_rank=args.lora, **engine) if args.lora else None
     adapters = random_adapters(lora, args.lora, 4) if lora else None
-    code = code_prompts(llm.tokenizer, args.prompt, max(batches)) if args.code_prompts else None
-    prompts_of = {b: code[:b] if code else [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)]
-                                            for _ in range(b)] for b in batches}
+    count = {b: args.b1_prompts if b == 1 else b for b in batches}     # prompts per round, `b` at a time
+    code = code_prompts(llm.tokenizer, args.prompt, max(count.values())) if args.code_prompts else None
+    prompts_of = {b: code[:n] if code else [[int(t) for t in rng.integers(1, llm.cfg.vocab_size, args.prompt)]
+                                            for _ in range(n)] for b, n in count.items()}
     full = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     first = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     steps = args.new - 1
@@ -169,28 +177,29 @@ def main():
         for b in batches:
             prompts, (t_prefill, t_decode, compiles, hf_prefill, hf_decode) = prompts_of[b], best[b]
             before = llm.num_compiles
-            round_prefill = min(_timed(lambda: llm.generate(prompts, first)) for _ in range(2))
-            round_total = min(_timed(lambda: llm.generate(prompts, full)) for _ in range(2))
+            round_prefill = min(_timed(lambda: generate(llm, prompts, first, b)) for _ in range(2))
+            round_total = min(_timed(lambda: generate(llm, prompts, full, b)) for _ in range(2))
             t_prefill, t_decode = min(t_prefill, round_prefill), min(t_decode, round_total - round_prefill)
             compiles += llm.num_compiles - before
             row = result["batches"].setdefault(b, {})
             row.update({
-                "prefill_tokens_per_s": round(b * args.prompt / t_prefill, 1),
-                "decode_tokens_per_s": round(b * steps / t_decode, 1),
+                "prefill_tokens_per_s": round(len(prompts) * args.prompt / t_prefill, 1),
+                "decode_tokens_per_s": round(len(prompts) * steps / t_decode, 1),
                 "decode_step_ms": round(1e3 * t_decode / steps, 3),
                 "decode_achieved_gbs": round(step_bytes * steps / t_decode / 1e9, 2),
                 "compiles_after_warmup": compiles,
             })
             if spec is not None:
                 if rnd == 0:
-                    truth.update({tuple(p): o.outputs[0].token_ids for p, o in zip(prompts, llm.generate(prompts, full))})
-                row.update(_spec_throughput(spec, prompts, full, first, steps, round_total - round_prefill,
+                    truth.update({tuple(p): o.outputs[0].token_ids
+                                  for p, o in zip(prompts, generate(llm, prompts, full, b))})
+                row.update(_spec_throughput(spec, prompts, b, full, first, steps, round_total - round_prefill,
                                             spec_best[b], row["decode_tokens_per_s"],
                                             [truth[tuple(p)] for p in prompts]))
             if rnd == 0 and lora is not None:
-                row.update(_lora_throughput(lora, adapters, prompts, full, first, steps, row["decode_tokens_per_s"]))
+                row.update(_lora_throughput(lora, adapters, prompts[:b], full, first, steps, row["decode_tokens_per_s"]))
             if hf is not None:
-                hf_rates = _hf_throughput(hf, prompts, args.new)
+                hf_rates = _hf_throughput(hf, prompts[:b], args.new)
                 hf_prefill, hf_decode = max(hf_prefill, hf_rates[0]), max(hf_decode, hf_rates[1])
                 row.update(hf_prefill_tokens_per_s=round(hf_prefill, 1), hf_decode_tokens_per_s=round(hf_decode, 1),
                            prefill_vs_hf=round(row["prefill_tokens_per_s"] / hf_prefill, 2),
@@ -237,7 +246,12 @@ def code_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
     return prompts[:count]
 
 
-def _spec_throughput(spec, prompts, full, first, steps, t_plain: float, best: dict, plain_rate: float,
+def generate(llm, prompts, params, batch: int) -> list:
+    """llm.generate over `prompts`, `batch` at a time."""
+    return [o for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]
+
+
+def _spec_throughput(spec, prompts, batch: int, full, first, steps, t_plain: float, best: dict, plain_rate: float,
                      plain_out: list) -> dict:
     """Decode tokens/s with speculation, measured right after the plain engine's round on the same prompts
     (t_plain: that round's plain decode time; plain_out: the plain greedy outputs). Over rounds it keeps the
@@ -245,15 +259,15 @@ def _spec_throughput(spec, prompts, full, first, steps, t_plain: float, best: di
     round's own ratio (a phase of a shared machine hits both sides of one round alike)."""
     compiles = spec.num_compiles
     before = spec.engine.spec_stats.summary()
-    t_prefill = min(_timed(lambda: spec.generate(prompts, first)) for _ in range(2))
-    t_total = min(_timed(lambda: spec.generate(prompts, full)) for _ in range(2))
+    t_prefill = min(_timed(lambda: generate(spec, prompts, first, batch)) for _ in range(2))
+    t_total = min(_timed(lambda: generate(spec, prompts, full, batch)) for _ in range(2))
     stats = spec.engine.spec_stats.summary()
     for key in ("drafted", "accepted"):
         best[key] += stats[key] - before[key]
     best["t"] = min(best["t"], t_total - t_prefill)
     best["rounds"].append(round(t_plain / (t_total - t_prefill), 3))
     if best["same"] is None:                     # greedy outputs are deterministic: compared once
-        best["same"] = [o.outputs[0].token_ids for o in spec.generate(prompts, full)] == plain_out
+        best["same"] = [o.outputs[0].token_ids for o in generate(spec, prompts, full, batch)] == plain_out
     best["compiles"] += spec.num_compiles - compiles
     rate = len(prompts) * steps / best["t"]
     return {"spec_decode_tokens_per_s": round(rate, 1),

@@ -62,20 +62,25 @@ def op_kinds(hlo: str, cfg) -> dict[str, str]:
             continue
         name, opcode, rest = m.group(1), op_code.group(1), m.group(2)[op_code.end():]
         op_name = re.search(r'op_name="([^"]+)"', rest)
-        param = re.search(r"%params__(\w+?)__(?:\.\d+)?[,)]", rest)
+        param = re.search(r"%params__(\w+?)(?:__)?(?:\.\d+)?[,)]", rest)
         layer = re.search(r"layer_(\d+)/", op_name.group(1)) if op_name else None
         if layer is None and param:
             layer = re.match(r"layers___(\d+)___", param.group(1))
         part = f"{cfg.layer_types[int(layer.group(1))]}_layer" if layer else "model"
+        if op_name and "/mtp/" in op_name.group(1):
+            part = "mtp_head"
         op = ""
         if op_name:
             op = re.sub(r"^jit\(\w+\)/", "", op_name.group(1))
-            op = re.sub(r"layer_\d+/", "", op)
+            op = re.sub(r"(layer_\d+|mtp)/", "", op)
             op = re.sub(r"(/|^)(while|cond|closed_call|body|branch_\d+_fun)(?=/|$)", "", op)
             op = re.sub(r"jit\((\w+)\)", r"\1", op).strip("/").split("/")[0]
+        reads = re.sub(r"^layers___\d+___", "", param.group(1)).replace("____", ".").strip("_") if param else ""
+        reads = re.sub(r"_+", ".", reads)
         if not op:
-            reads = re.sub(r"^layers___\d+___", "", param.group(1)).replace("____", ".").strip("_") if param else ""
             op = f"{opcode}({reads})" if reads else opcode
+        elif op == "ffi_call":                       # the CPU kernels: which weight
+            op = f"ffi_call({reads})" if reads else op
         out[name] = f"{part}/{op}"
     return out
 
@@ -88,14 +93,23 @@ def main():
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--num-drafts", type=int, default=0, help="an MTP engine with this many drafts: its verify step "
+                    "[batch, 1 + num_drafts] (the head's ops as part mtp_head); with --tokens 1 --verify-off its "
+                    "decode step + head")
+    ap.add_argument("--verify-off", action="store_true")
     args = ap.parse_args()
     ckpt = checkpoint_path(args.ckpt, args.make)
+    spec = {"speculative": {"method": "mtp", "num_drafts": args.num_drafts}} if args.num_drafts else {}
     llm = LLM(ckpt, max_num_seqs=args.batch if args.tokens == 1 else 1, max_model_len=max(256, 64 + args.tokens + 16),
               max_prefill_chunk=max(16, args.tokens), max_prefill_rows=max(1, args.batch if args.tokens > 1 else 1),
-              warmup=False, progress=False)
+              warmup=False, progress=False, compile_cache_dir="", **spec)   # cached executables keep old op names
     runner = llm.runner
-    step = step_args(runner, args.batch, args.tokens)
-    exe = runner._executable("step", step)
+    kind = "step"
+    if args.num_drafts and args.tokens == 1:
+        kind, step, _ = step_inputs(runner, args.batch, 1 if args.verify_off else 1 + args.num_drafts, True)
+    else:
+        step = step_args(runner, args.batch, args.tokens)
+    exe = runner._executable(kind, step)
 
     def call():
         out, runner.state = exe(runner.params, runner.state, *step)
@@ -125,7 +139,8 @@ def main():
         count[kinds.get(e["name"], "model/" + re.sub(r"\.\d+$", "", e["name"]))] += 1 / args.iters
     total = sum(by_thunk.values())
     print(json.dumps({
-        "checkpoint": llm.model_path, "batch": args.batch, "tokens": args.tokens,
+        "checkpoint": llm.model_path, "batch": args.batch, "tokens": args.tokens, "step": kind,
+        "num_drafts": args.num_drafts,
         "wall_ms": round(1e3 * float(np.median(times)), 3), "wall_min_ms": round(1e3 * float(np.min(times)), 3),
         "traced_thunk_ms": round(total / 1e3, 3), "thunks_per_step": round(sum(count.values())),
         "by_part_ms": {k: [round(v / 1e3, 3), round(count[k])] for k, v in by_kind.most_common(args.top)},

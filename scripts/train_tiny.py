@@ -185,6 +185,16 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16)
 
 # ---------------------------------------------------------------- export
 
+def write_token_map(out: str, train_stream: np.ndarray, size: int) -> None:
+    """The MTP head's draft vocabulary (FR-Spec): the `size` most frequent tokens of the training stream
+    (ties by id), as engine/speculative.py's draft_token_map.json."""
+    from atlas_jax.engine.speculative import TOKEN_MAP_FILE
+    counts = np.bincount(train_stream, minlength=int(train_stream.max()) + 1)
+    ids = np.argsort(-counts, kind="stable")[:size]
+    with open(os.path.join(out, TOKEN_MAP_FILE), "w") as f:
+        json.dump(sorted(int(t) for t in ids), f)
+
+
 def export(out: str, params, config: dict, tok) -> None:
     """Write the HF-format checkpoint: config.json, model.safetensors (incl. mtp.*), tokenizer files
     (the model card, README.md, is written by hand from the run's JSON and scripts/eval_tiny.py's)."""
@@ -256,6 +266,10 @@ def main(argv=None) -> dict:
     ap.add_argument("--mtp-weight", type=float, default=0.5)
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-only", action="store_true")
+    ap.add_argument("--token-map", type=int, default=1024, metavar="N", help="the MTP head's draft vocabulary "
+                    "written beside the checkpoint: the N most frequent training tokens (0: none)")
+    ap.add_argument("--token-map-only", action="store_true", help="write only OUT's draft_token_map.json (with "
+                    "OUT's tokenizer) and stop")
     ap.add_argument("--config", default=None, help="JSON overrides of the model config (tests: a tinier model)")
     ap.add_argument("--max-files", type=int, default=None, help="train on a spread subset of the files (tests)")
     ap.add_argument("--eval-tokens", type=int, default=None, help="score at most this many tokens per split")
@@ -269,9 +283,14 @@ def main(argv=None) -> dict:
 
     from atlas_jax.config import ModelConfig
 
+    train_texts, held_texts = corpus_splits(args.max_files)
+    if args.token_map_only:
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(args.out, "tokenizer.json"))
+        write_token_map(args.out, token_stream(tok, train_texts), args.token_map)
+        return {}
     work = os.path.abspath(args.work or args.out.rstrip("/") + ".work")
     os.makedirs(work, exist_ok=True)
-    train_texts, held_texts = corpus_splits(args.max_files)
     tok_path = os.path.join(work, "tokenizer.json")
     if os.path.exists(tok_path):
         from tokenizers import Tokenizer
@@ -361,6 +380,8 @@ def main(argv=None) -> dict:
                                    args.eval_tokens),
     }
     export(args.out, jax.tree.map(np.asarray, params), config, tok)
+    if args.token_map:
+        write_token_map(args.out, train_stream, args.token_map)
     print(json.dumps(report))
     return report
 

@@ -4,6 +4,7 @@ greedy output identity with MTP speculation (single, batched, chunked prefill, u
 The tiny checkpoints' MTP layer reuses the weights of the HF model's full-attention layer 3 (same
 tensor layout), so HF's decoder layer instance *is* the reference layer; fc and the three norms
 are random."""
+import json
 import shutil
 
 import jax
@@ -238,3 +239,50 @@ def test_mtp_drafts_equal_head_formula(mtp_engines, mtp_ckpt):
     assert seq.pending_drafts[0] == int(np.argmax(ref[-1]))
     spec.engine.abort(req.request_id)
     jax.block_until_ready(spec.runner.state.model.kv[0][0])
+
+
+def test_mtp_draft_vocab(mtp_engines, mtp_ckpt, tmp_path):
+    """A draft vocabulary (FR-Spec token map, listed out of order): the first draft is HF's head argmax over
+    those tokens only, every draft is one of them, and greedy outputs still equal the plain engine's (the
+    verify scores the whole vocabulary)."""
+    base, _ = mtp_engines
+    path, hf, tensors = mtp_ckpt
+    prompts = random_prompts(256, [11, 30], seed=12)
+    first = base.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=1))[0].outputs[0].token_ids[0]
+    ref, _ = _hf_mtp_logits(hf, tensors, prompts[0], prompts[0][1:] + [first])
+    best = int(np.argmax(ref[-1]))                              # left out of the map: the draft must change
+    ids = [int(t) for t in np.random.default_rng(3).permutation(256) if t != best][:96]
+    (tmp_path / "map.json").write_text(json.dumps(ids))
+    spec = LLM(path, speculative={"method": "mtp", "num_drafts": 2, "token_map": str(tmp_path / "map.json")}, **ENGINE)
+    req = spec.engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    spec.engine.step()
+    seq = req.seqs[0]
+    assert seq.output_ids[0] == first
+    assert seq.pending_drafts[0] == ids[int(np.argmax(ref[-1][ids]))]
+    assert set(seq.pending_drafts) <= set(ids)
+    spec.engine.abort(req.request_id)
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    assert ([o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+            == [o.outputs[0].token_ids for o in base.generate(prompts, params)])
+    assert spec.spec_stats()["drafted"] > 0
+
+
+def test_token_map_loading(tmp_path):
+    from atlas_jax.engine.speculative import TOKEN_MAP_FILE, SpeculativeConfig, load_token_map
+    mtp_auto = SpeculativeConfig.parse({"method": "mtp"})
+    assert load_token_map(mtp_auto, str(tmp_path), 16) is None                # auto, the checkpoint has none
+    (tmp_path / TOKEN_MAP_FILE).write_text("[5, 1, 9]")
+    assert load_token_map(mtp_auto, str(tmp_path), 16).tolist() == [5, 1, 9]
+    assert load_token_map(SpeculativeConfig.parse({"method": "mtp", "token_map": None}), str(tmp_path), 16) is None
+    assert load_token_map(SpeculativeConfig.parse({"method": "ngram"}), str(tmp_path), 16) is None
+    for text, msg in [("[1, 2, 16]", "outside the vocabulary"), ("[1, 1]", "twice"), ("[]", "non-empty"),
+                      ('{"a": 1}', "non-empty"), ("[1.5]", "non-empty"), ("[1,", "token_map")]:
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(ValueError, match=msg):
+            load_token_map(SpeculativeConfig.parse({"method": "mtp", "token_map": str(tmp_path / "bad.json")}),
+                           str(tmp_path), 16)
+    with pytest.raises(ValueError, match="token_map"):
+        load_token_map(SpeculativeConfig.parse({"method": "mtp", "token_map": str(tmp_path / "none.json")}),
+                       str(tmp_path), 16)
+    with pytest.raises(ValueError, match="restricts the MTP head"):
+        SpeculativeConfig.parse({"method": "ngram", "token_map": "x.json"})

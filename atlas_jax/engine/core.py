@@ -79,10 +79,11 @@ class EngineCore:
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
                  max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
-                 speculative: SpeculativeConfig | None = None, enable_prompt_logprobs: bool = False,
+                 speculative: SpeculativeConfig | None = None, draft_token_ids=None, enable_prompt_logprobs: bool = False,
                  enable_prefix_caching: bool = False, prefix_snapshot_bytes: int | None = None,
                  lora: dict | None = None):
-        """lora: None, or {"max_loras", "max_lora_rank", "max_cpu_loras"} (multi-LoRA serving, engine/lora.py)."""
+        """lora: None, or {"max_loras", "max_lora_rank", "max_cpu_loras"} (multi-LoRA serving, engine/lora.py).
+        draft_token_ids: the MTP head's draft vocabulary (speculative.load_token_map), None: all tokens."""
         for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
                         ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
             if not isinstance(v, int) or v < 1:
@@ -105,6 +106,7 @@ class EngineCore:
                                   max_verify_tokens=1 + speculative.num_drafts if speculative else 1,
                                   mtp_drafts=speculative.num_drafts if speculative and speculative.method == "mtp" else 0,
                                   mtp_layers=len(params.get("mtp", {}).get("layers", ())),
+                                  mtp_token_ids=draft_token_ids,
                                   self_drafts=bool(speculative) and speculative.method == "self",
                                   num_snapshots=self._num_snapshots(enable_prefix_caching, prefix_snapshot_bytes,
                                                                     dtype, max_num_seqs),

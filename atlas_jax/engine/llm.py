@@ -22,7 +22,7 @@ from .args import EngineArgs
 from .core import EngineCore
 from .lora import LoRARequest
 from .sampling_params import SamplingParams
-from .speculative import SpeculativeConfig
+from .speculative import SpeculativeConfig, load_token_map
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
            "float16": jnp.float16, "fp16": jnp.float16}
@@ -80,7 +80,8 @@ class LLM:
             max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
-            speculative=spec, enable_prompt_logprobs=a.enable_prompt_logprobs,
+            speculative=spec, draft_token_ids=load_token_map(spec, self.model_path, self.cfg.vocab_size),
+            enable_prompt_logprobs=a.enable_prompt_logprobs,
             enable_prefix_caching=a.enable_prefix_caching, prefix_snapshot_bytes=a.prefix_snapshot_bytes,
             lora=dict(max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
             if a.enable_lora else None)

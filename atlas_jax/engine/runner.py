@@ -57,6 +57,13 @@ class RowInput:
     adapter: int = 0           # LoRA adapter slot (0 = the base model)
 
 
+def draft_vocab(params, ids) -> dict:
+    """The MTP head's draft vocabulary: its token ids [n] and the lm_head's columns for them [H, n]."""
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    ids = jnp.asarray(ids, jnp.int32)
+    return {"ids": ids, "lm_head": jnp.take(w, ids, axis=1)}
+
+
 def bucket(n: int, cap: int | None = None) -> int:
     b = 1 << max(0, (n - 1).bit_length())
     return min(b, cap) if cap else b
@@ -90,10 +97,14 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
                  max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
                  kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
-                 self_drafts: bool = False, num_snapshots: int = 0, lora_slots: int = 0, lora_rank: int = 0):
+                 self_drafts: bool = False, num_snapshots: int = 0, lora_slots: int = 0, lora_rank: int = 0,
+                 mtp_token_ids=None):
         """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
-        on every adaptable projection, and an adapter column in every step."""
+        on every adaptable projection, and an adapter column in every step. mtp_token_ids [n]: the MTP
+        head drafts among these tokens only (params["mtp_vocab"], models/mtp.py)."""
         self.cfg = cfg
+        if mtp_drafts and mtp_token_ids is not None:
+            params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids)}
         # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
         self.params = pack_linears(pack_params(params)) if kernels.cpu else params
         self.num_pages = num_pages

@@ -14,7 +14,11 @@ output distribution is the target's. Rows with penalties or logprobs get no draf
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 from typing import Callable
+
+import numpy as np
 
 from .sequence import Sequence
 
@@ -28,6 +32,10 @@ class SpeculativeConfig:
     ngram_min: int = 1                  # ngram: shortest suffix matched
     ngram_max: int = 4                  # ngram: longest suffix matched
     propose: Callable | None = None     # scripted: propose(seq, max_drafts) -> list[int]
+    # mtp: the head's draft vocabulary (FR-Spec; SGLang's speculative_token_map): a JSON file of token ids, the
+    # drafts' argmax runs over those columns of the lm_head only. "auto": the checkpoint's draft_token_map.json
+    # when it has one; None: the whole vocabulary. Drafts only: verification always uses the full vocabulary.
+    token_map: str | None = "auto"
 
     @classmethod
     def parse(cls, spec) -> "SpeculativeConfig | None":
@@ -45,6 +53,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_drafts must be an integer in 1..7, got {cfg.num_drafts!r}")
         if not 1 <= cfg.ngram_min <= cfg.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if cfg.token_map not in ("auto", None) and cfg.method != "mtp":
+            raise ValueError(f"token_map restricts the MTP head's drafts; method {cfg.method!r} has none")
         if cfg.method == "scripted" and cfg.propose is None:
             raise ValueError("the scripted proposer needs propose(seq, max_drafts)")
         return cfg
@@ -70,6 +80,34 @@ class SpeculativeConfig:
         if spec.get("method") == "scripted":
             raise ValueError("the scripted proposer is programmatic only")
         return cls.parse(spec)
+
+
+TOKEN_MAP_FILE = "draft_token_map.json"
+
+
+def load_token_map(spec: SpeculativeConfig | None, model_dir: str, vocab_size: int) -> np.ndarray | None:
+    """The MTP head's draft vocabulary as int32 token ids (None: the whole vocabulary), from spec.token_map
+    ("auto": model_dir's draft_token_map.json if present). ValueError names a bad file or id."""
+    if spec is None or spec.method != "mtp" or spec.token_map is None:
+        return None
+    path = spec.token_map
+    if path == "auto":
+        path = os.path.join(model_dir, TOKEN_MAP_FILE)
+        if not os.path.exists(path):
+            return None
+    try:
+        with open(path) as f:
+            ids = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"token_map {path!r}: {e}") from None
+    if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError(f"token_map {path!r} must hold a non-empty JSON list of token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token_map {path!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"token_map {path!r} lists a token id twice")
+    return np.asarray(ids, np.int32)
 
 
 def wants_drafts(seq: Sequence) -> bool:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from ..batch import StepBatch
@@ -56,12 +57,17 @@ def propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg:
     the flat token axis; catch_len: per segment [B] positions to catch up (accepted + 1, 0 for
     padding); draft_ok [sum B]: rows whose pages cover the draft positions (the others write no
     draft KV). Returns (drafts [sum B, num_drafts] int32, kv)."""
+    with jax.named_scope("mtp"):                         # the head's ops, apart in profiles
+        return _propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg, num_drafts, kernels)
+
+
+def _propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg, num_drafts, kernels):
     caught = tuple(dataclasses.replace(s, tokens=jnp.maximum(t, 0), q_len=jnp.where(s.q_len > 0, n, 0))
                    for s, t, n in zip(segments, tokens_segs, catch_len))
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in caught])
     out, kv = mtp_forward(params, kv, caught, tokens, hidden, cfg, 0, kernels)
     h = last_positions(out, caught)                                                     # [R, H]
-    draft = argmax(lm_head(params, h))
+    draft = draft_tokens(params, h)
     drafts = [draft]
     start = jnp.concatenate([s.start + n for s, n in zip(caught, catch_len)])          # the emitted token's position
     table = jnp.concatenate([s.block_table for s in caught])
@@ -71,9 +77,18 @@ def propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg:
         seg = StepBatch(tokens=draft[:, None], q_len=live.astype(jnp.int32), start=start + j - 1, block_table=table,
                         slot=slot, state_idx=jnp.zeros_like(slot))
         h, kv = mtp_forward(params, kv, (seg,), draft, h, cfg, j, kernels)
-        draft = argmax(lm_head(params, h))
+        draft = draft_tokens(params, h)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), kv
+
+
+def draft_tokens(params, h):
+    """The head's greedy draft from its hidden state h [R, H]: the argmax over the whole vocabulary, or with a
+    draft vocabulary (params["mtp_vocab"]: ids [n], lm_head [H, n]; FR-Spec) over those n tokens only."""
+    vocab = params.get("mtp_vocab")
+    if vocab is None:
+        return argmax(lm_head(params, h))
+    return jnp.take(vocab["ids"], argmax(lm_head(vocab, h)))
 
 
 def init_mtp_kv(cfg: ModelConfig, num_layers: int, num_pages: int, page_size: int, dtype):
