@@ -16,7 +16,7 @@ from atlas_jax.default_model import default_model_path
 from atlas_jax.server.chat import ChatTemplate
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-         "generation_config.json", "README.md")
+         "generation_config.json", "README.md", "draft_token_map.json")
 
 
 @pytest.fixture(scope="module")
@@ -41,6 +41,9 @@ def test_default_checkpoint_is_shipped_whole(shipped):
     assert shipped.num_mtp_layers == 1                            # the MTP head is loaded for speculation
     assert shipped.cfg.model_type == "qwen3_next" and shipped.cfg.gdn_layers and shipped.cfg.attention_layers
     assert shipped.cfg.num_experts > 1
+    from atlas_jax.engine.speculative import SpeculativeConfig, load_token_map
+    ids = load_token_map(SpeculativeConfig.parse({"method": "mtp"}), path, shipped.cfg.vocab_size)
+    assert len(set(ids.tolist())) == len(ids) == 1024                # the MTP head's draft vocabulary (FR-Spec)
 
 
 def test_transformers_logits_and_bits_per_byte_outside_the_stdlib(shipped, hf):
