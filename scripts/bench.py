@@ -185,8 +185,8 @@ def main():
             row.update({
                 "prefill_tokens_per_s": round(len(prompts) * args.prompt / t_prefill, 1),
                 "decode_tokens_per_s": round(len(prompts) * steps / t_decode, 1),
-                "decode_step_ms": round(1e3 * t_decode / steps, 3),
-                "decode_achieved_gbs": round(step_bytes * steps / t_decode / 1e9, 2),
+                "decode_step_ms": round(1e3 * t_decode / (steps * len(prompts) / b), 3),
+                "decode_achieved_gbs": round(step_bytes * steps * len(prompts) / b / t_decode / 1e9, 2),
                 "compiles_after_warmup": compiles,
             })
             if spec is not None:
