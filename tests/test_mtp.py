@@ -285,3 +285,5 @@ def test_token_map_loading(tmp_path):
                        str(tmp_path), 16)
     with pytest.raises(ValueError, match="restricts the MTP head"):
         SpeculativeConfig.parse({"method": "ngram", "token_map": "x.json"})
+    with pytest.raises(ValueError, match="token_map must be a path"):
+        SpeculativeConfig.parse({"method": "mtp", "token_map": 5})

@@ -53,6 +53,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_drafts must be an integer in 1..7, got {cfg.num_drafts!r}")
         if not 1 <= cfg.ngram_min <= cfg.ngram_max:
             raise ValueError("need 1 <= ngram_min <= ngram_max")
+        if cfg.token_map is not None and not isinstance(cfg.token_map, str):
+            raise ValueError(f"token_map must be a path to a JSON list of token ids, 'auto' or null, got {cfg.token_map!r}")
         if cfg.token_map not in ("auto", None) and cfg.method != "mtp":
             raise ValueError(f"token_map restricts the MTP head's drafts; method {cfg.method!r} has none")
         if cfg.method == "scripted" and cfg.propose is None:
