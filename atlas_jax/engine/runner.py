@@ -29,6 +29,7 @@ from ..host_memory import memory_maps
 from ..kernels import XLA, Kernels
 from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
+from ..models.decoder import lm_head_weight
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_snapshots, init_state
 from . import steps
@@ -59,9 +60,8 @@ class RowInput:
 
 def draft_vocab(params, ids) -> dict:
     """The MTP head's draft vocabulary: its token ids [n] and the lm_head's columns for them [H, n]."""
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
     ids = jnp.asarray(ids, jnp.int32)
-    return {"ids": ids, "lm_head": jnp.take(w, ids, axis=1)}
+    return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params), ids, axis=1)}
 
 
 def bucket(n: int, cap: int | None = None) -> int:

@@ -67,8 +67,13 @@ def argmax(logits):
     return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
 
 
+def lm_head_weight(params):
+    """The output projection [H, V]: the lm_head, or the transposed embedding when they are tied."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
 def lm_head(params, x):
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    w = lm_head_weight(params)
     if isinstance(w, PackedLinear):                  # the CPU custom call (fp32 throughout)
         return x @ w
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
