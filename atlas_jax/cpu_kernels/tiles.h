@@ -144,6 +144,9 @@ void with_prefetch(const Prefetch& pf, Fn&& fn) {
 // while pf prefetches; block_done(b0, b1) follows a block's last chunk. passes(rows): the k-loops a tile of
 // that many rows makes over a chunk (the prefetch is spread over them). next: the panel the caller runs
 // after this one (its first chunk is prefetched during the last chunk here), or null.
+// A block of one single-pass tile (a GEMV: decode) reads the panel front to back once; the hardware
+// prefetcher streams that alone, and software prefetches only compete with it (measured on Zen 3: MoE
+// experts at one token 1.01 -> 0.75 ms, batch-1 decode +15%), so such blocks prefetch nothing.
 template <int TILE, typename Passes, typename Tile, typename Done>
 void chunked_rows(int64_t r_begin, int64_t r_end, const float* panel, const float* next, int64_t K, int64_t width,
                   Passes&& passes, Tile&& tile, Done&& block_done) {
@@ -152,7 +155,8 @@ void chunked_rows(int64_t r_begin, int64_t r_end, const float* panel, const floa
     const int64_t loops = rows / TILE * passes(TILE) + (rows % TILE ? passes(rows % TILE) : 0);
     for (int64_t k0 = 0; k0 < K; k0 += KC) {
       const int64_t k1 = std::min(K, k0 + KC);
-      Prefetch pf = chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, width, loops * (k1 - k0));
+      Prefetch pf = loops == 1 ? Prefetch(nullptr, 0, 1)
+                                : chunk_prefetch(panel, b1 < r_end ? nullptr : next, K, k0, k1, width, loops * (k1 - k0));
       for (int64_t r0 = b0; r0 < b1; r0 += TILE)
         tile(r0, r0 - b0, static_cast<int>(std::min<int64_t>(TILE, b1 - r0)), k0, k1, pf);
     }
