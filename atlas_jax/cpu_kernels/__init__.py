@@ -91,6 +91,7 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(_build(compiler))
                 for target, symbol in _TARGETS.items():
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _state["strips"] = (lib.atlas_up_strip(), lib.atlas_dn_strip())
                 _state["ok"] = True
             except (RuntimeError, OSError, AttributeError) as e:
                 _state["error"] = str(e)
@@ -108,8 +109,15 @@ MOE_PANEL_UP, MOE_PANEL_DN = 32, 64          # tiles.h's panel widths
 LINEAR_PANEL = MOE_PANEL_DN
 
 
+def strips() -> tuple[int, int]:
+    """(UP_SUB, DN_SUB): the strip widths the built library's packed panels are stored in (tiles.h: 8 and 16
+    columns with AVX2, 32 and 64 = whole panels with AVX-512). Call `available()` first."""
+    return _state["strips"]
+
+
 def linear(x, panels, n: int):
-    """x [M, K] fp32 @ a weight [K, n] packed as panels [ceil(n / 64), K, 64] (zero-padded) -> [M, n] fp32."""
+    """x [M, K] fp32 @ a weight [K, n] packed as panels [ceil(n / 64), 64 / DN_SUB, K, DN_SUB] (layers/linear.
+    pack_linear) -> [M, n] fp32."""
     out = jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)
     return jax.ffi.ffi_call("atlas_linear", out)(x, panels)
 

@@ -1,6 +1,7 @@
 // Dense projection y [M, N] = x [M, K] @ W [K, N] over W packed in panels of PANEL_DN output columns
-// (atlas_linear; layers/linear.pack_linear): panels [ceil(N / 64), K, 64], zero-padded, each panel
-// contiguous so a tile streams it front to back (XLA:CPU's dot reads W row-strided). Items are
+// (atlas_linear; layers/linear.pack_linear): panels [ceil(N / 64), 64 / DN_SUB, K, DN_SUB] (zero-padded; strips
+// of DN_SUB columns, tiles.h), each panel contiguous so a tile streams it front to back (XLA:CPU's dot reads W
+// row-strided). Items are
 // (run of consecutive panels, block of up to ROW_BLOCK rows); tiles.h consumes each panel chunk by chunk.
 #include <algorithm>
 #include <cstdint>
@@ -17,7 +18,8 @@ constexpr int64_t MAX_RUN = 8;
 ffi::Error Linear(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> panels,
                   ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), pd = panels.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || pd.size() != 3 || yd.size() != 2 || pd[1] != xd[1] || pd[2] != PANEL_DN ||
+  if (xd.size() != 2 || pd.size() != 4 || yd.size() != 2 || pd[1] != PANEL_DN / DN_SUB || pd[2] != xd[1] ||
+      pd[3] != DN_SUB ||
       yd[0] != xd[0] || yd[1] > pd[0] * PANEL_DN || yd[1] <= (pd[0] - 1) * PANEL_DN)
     return ffi::Error::InvalidArgument("atlas_linear: shapes do not match the packed layout");
   const int64_t M = xd[0], K = xd[1], N = yd[1], num_panels = pd[0];
@@ -49,5 +51,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AtlasLinear, Linear,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()   // x [M, K]
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // panels [ceil(N / 64), K, 64]
+                                  .Arg<ffi::Buffer<ffi::F32>>()   // panels [ceil(N / 64), 64 / DN_SUB, K, DN_SUB]
                                   .Ret<ffi::Buffer<ffi::F32>>()); // y [M, N]
+
+// The strip widths of the packed layouts this library was compiled for (they follow the vector width):
+// layers/moe.pack_experts and layers/linear.pack_linear ask before packing.
+extern "C" int atlas_up_strip() { return atlas::UP_SUB; }
+extern "C" int atlas_dn_strip() { return atlas::DN_SUB; }

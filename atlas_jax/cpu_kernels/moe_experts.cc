@@ -6,10 +6,11 @@
 // no gather, no copy, and only experts with pairs are read (decode reads its k experts).
 //   phase 1: hidden[p, :] = act(x[token[p]] @ gate_e, x[token[p]] @ up_e)   items: (expert, run of panels)
 //   phase 2: y[:, c] = sum_p weight[p] * hidden[p] @ down_e[:, c]          items: output panels of y
-// Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns, gate and up side by side per input
-// row, and panels of PANEL_DN output columns; zero-padded to whole panels, so no tile has a column tail:
-//   gate_up [E, Fp / PANEL_UP, H, 2 * PANEL_UP] (SwiGLU: gate | up) or [E, Fp / PANEL_UP, H, PANEL_UP] (relu2: up)
-//   down    [E, Hp / PANEL_DN, Fp, PANEL_DN]
+// Packed weights (moe.pack_experts): panels of PANEL_UP hidden columns and panels of PANEL_DN output columns,
+// each in strips (tiles.h: UP_SUB, DN_SUB), gate and up side by side per strip row; zero-padded to whole
+// panels, so no tile has a column tail:
+//   gate_up [E, Fp / PANEL_UP, PANEL_UP / UP_SUB, H, 2 * UP_SUB] (SwiGLU: gate | up) or [.., H, UP_SUB] (relu2: up)
+//   down    [E, Hp / PANEL_DN, PANEL_DN / DN_SUB, Fp, DN_SUB]
 // Each panel is consumed chunk by chunk by all of an expert's row tiles (tiles.h: chunked_rows), the next chunk
 // prefetched meanwhile. Items of a phase write disjoint memory, so they run in parallel without locks (common.h: parallel_for).
 #include <algorithm>
@@ -39,14 +40,15 @@ constexpr int up_vecs(int rows) {
 }
 constexpr int64_t up_passes(int64_t rows) { return PANEL_UP / (VW * up_vecs(static_cast<int>(rows))); }
 
-// Over panel rows [h0, h1) (rows `stride` floats apart): ag[r], au[r] (+)= xr[r] @ gate / up panel columns
-// (first: from zero); last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
+// Over panel rows [h0, h1) of a panel [H, PANEL_UP] in strips of UP_SUB columns (tiles.h; GLU: a strip row is
+// UP_SUB gate | UP_SUB up): ag[r], au[r] (+)= xr[r] @ gate / up panel columns (first: from zero);
+// last: hr[r][0 : PANEL_UP] = act(ag[r], au[r]) instead of storing the sums.
 template <int R, bool GLU, int PF>
-void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1, bool first, bool last,
+void up_tile(const float* const* xr, const float* panel, int64_t H, int64_t h0, int64_t h1, bool first, bool last,
              float (*ag_out)[PANEL_UP], float (*au_out)[PANEL_UP], float* const* hr, Prefetch& prefetch) {
   constexpr int V = up_vecs(R);
+  constexpr int row = GLU ? 2 * UP_SUB : UP_SUB;      // floats per strip row
   PrefetchCursor<PF> pf(prefetch);
-  constexpr int stride = GLU ? 2 * PANEL_UP : PANEL_UP;
   for (int pass = 0; pass < PANEL_UP / (VW * V); ++pass) {
     const int off = pass * VW * V;
     vf ag[R][V], au[R][V];
@@ -55,13 +57,14 @@ void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1,
         ag[r][v] = first || !GLU ? vf{} : load(ag_out[r] + off + v * VW);
         au[r][v] = first ? vf{} : load(au_out[r] + off + v * VW);
       }
-    const float* w = panel + h0 * stride + off;
-    for (int64_t h = h0; h < h1; ++h, w += stride) {
+    const float* w[V];
+    strip_rows<UP_SUB, V>(panel, H, h0, pass, row, w);
+    for (int64_t h = h0, i = 0; h < h1; ++h, i += row) {
       pf.step(h);
       vf gv[V], uv[V];
       for (int v = 0; v < V; ++v) {
-        if (GLU) gv[v] = load(w + v * VW);
-        uv[v] = load(w + (GLU ? PANEL_UP : 0) + v * VW);
+        if (GLU) gv[v] = load(w[v] + i);
+        uv[v] = load(w[v] + i + (GLU ? UP_SUB : 0));
       }
       for (int r = 0; r < R; ++r) {
         const float b = xr[r][h];
@@ -81,7 +84,6 @@ void up_tile(const float* const* xr, const float* panel, int64_t h0, int64_t h1,
         }
       }
   }
-  prefetch.p = pf.p;
 }
 
 struct Problem {
@@ -100,7 +102,7 @@ void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
   const float* panel = p.gate_up + (e * (p.Fp / PANEL_UP) + j) * panel_size;
   alignas(64) float ag[ROW_BLOCK][PANEL_UP], au[ROW_BLOCK][PANEL_UP];
   chunked_rows<UP_ROWS>(p.start[e], p.start[e] + p.size[e], panel, prefetch ? panel + panel_size : nullptr, p.H,
-      width, up_passes,
+      width, width / (PANEL_UP / UP_SUB), up_passes,
       [&](int64_t r0, int64_t i, int rows, int64_t h0, int64_t h1, Prefetch& pf) {
         const float* xr[UP_ROWS];
         float* hr[UP_ROWS];
@@ -110,8 +112,8 @@ void up_panel(const Problem& p, int64_t e, int64_t j, bool prefetch) {
         }
         with_rows<UP_ROWS>(rows, [&](auto R) {
           with_prefetch(pf, [&](auto lines) {
-            if (p.glu) up_tile<R(), true, lines()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
-            else up_tile<R(), false, lines()>(xr, panel, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+            if (p.glu) up_tile<R(), true, lines()>(xr, panel, p.H, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
+            else up_tile<R(), false, lines()>(xr, panel, p.H, h0, h1, h0 == 0, h1 == p.H, ag + i, au + i, hr, pf);
           });
         });
       },
@@ -139,14 +141,17 @@ ffi::Error MoeExperts(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
                       ffi::Buffer<ffi::F32> down, ffi::ResultBuffer<ffi::F32> y,
                       ffi::ResultBuffer<ffi::F32> hidden) {
   const auto gd = gate_up.dimensions(), dd = down.dimensions();
+  if (gd.size() != 5 || dd.size() != 5)
+    return ffi::Error::InvalidArgument("atlas_moe_experts: gate_up / down are not packed panels (rank 5)");
   Problem p;
   p.E = gd[0]; p.H = x.dimensions()[1]; p.Fp = gd[1] * PANEL_UP; p.Hp = dd[1] * PANEL_DN;
-  p.glu = gd[3] == 2 * PANEL_UP;
+  p.glu = gd[4] == 2 * UP_SUB;
   const int64_t num_tokens = x.dimensions()[0];
   const int64_t pairs = token.dimensions()[0];
-  if (gd.size() != 4 || dd.size() != 4 || gd[2] != p.H || (gd[3] != PANEL_UP && !p.glu) || dd[0] != p.E ||
-      dd[2] != p.Fp || dd[3] != PANEL_DN || p.Hp < p.H || p.Hp - p.H >= PANEL_DN || sizes.dimensions()[0] != p.E ||
-      weight.dimensions()[0] != pairs || hidden->dimensions()[0] != pairs || hidden->dimensions()[1] != p.Fp)
+  if (gd[2] != PANEL_UP / UP_SUB || gd[3] != p.H || (gd[4] != UP_SUB && !p.glu) || dd[0] != p.E ||
+      dd[2] != PANEL_DN / DN_SUB || dd[3] != p.Fp || dd[4] != DN_SUB || p.Hp < p.H || p.Hp - p.H >= PANEL_DN ||
+      sizes.dimensions()[0] != p.E || weight.dimensions()[0] != pairs || hidden->dimensions()[0] != pairs ||
+      hidden->dimensions()[1] != p.Fp)
     return ffi::Error::InvalidArgument("atlas_moe_experts: shapes do not match the packed layout");
   p.x = x.typed_data(); p.weight = weight.typed_data(); p.gate_up = gate_up.typed_data();
   p.down = down.typed_data(); p.token = token.typed_data();

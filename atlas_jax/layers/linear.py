@@ -24,12 +24,12 @@ MIN_OUT = PANEL          # narrower outputs (routers, gates) would be mostly pad
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedLinear:
-    panels: jax.Array                                            # [ceil(N / 64), K, 64], zero-padded
+    panels: jax.Array                            # [ceil(N / 64), 64 / DN_SUB, K, DN_SUB], zero-padded
     out_features: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, int]:
-        return (self.panels.shape[1], self.out_features)
+        return (self.panels.shape[2], self.out_features)
 
     @property
     def dtype(self):
@@ -45,10 +45,12 @@ class PackedLinear:
 
 
 def pack_linear(w) -> PackedLinear:
+    """w [K, N] -> panels of 64 output columns, each in strips of DN_SUB columns (cpu_kernels.strips)."""
     k, n = w.shape
     padded = -(-n // PANEL) * PANEL
-    panels = jnp.pad(w, ((0, 0), (0, padded - n))).reshape(k, padded // PANEL, PANEL).transpose(1, 0, 2)
-    return PackedLinear(panels, n)
+    sub = cpu_kernels.strips()[1]
+    panels = jnp.pad(w, ((0, 0), (0, padded - n))).reshape(k, padded // PANEL, PANEL // sub, sub)
+    return PackedLinear(panels.transpose(1, 2, 0, 3), n)
 
 
 def packs(key, w) -> bool:

@@ -184,19 +184,22 @@ PANEL_UP, PANEL_DN = cpu_kernels.MOE_PANEL_UP, cpu_kernels.MOE_PANEL_DN
 
 
 def pack_experts(experts: dict) -> dict:
-    """{[gate [E, H, F]], up [E, H, F], down [E, F, H]} -> the CPU kernel's zero-padded panels:
-    gate_up [E, Fp/32, H, 64] (gate | up per input row; [.., 32] = up alone for relu2 experts) and
-    down [E, Hp/64, Fp, 64]; Fp, Hp = F, H rounded up to whole panels."""
+    """{[gate [E, H, F]], up [E, H, F], down [E, F, H]} -> the CPU kernel's zero-padded panels in strips
+    (cpu_kernels.strips(): su, sd columns): gate_up [E, Fp/32, 32/su, H, 2su] (gate | up per strip row;
+    [.., su] = up alone for relu2 experts) and down [E, Hp/64, 64/sd, Fp, sd]; Fp, Hp = F, H rounded up to
+    whole panels."""
     up = experts["up"]
     e, h, f = up.shape
     fp, hp = -(-f // PANEL_UP) * PANEL_UP, -(-h // PANEL_DN) * PANEL_DN
+    su, sd = cpu_kernels.strips()
 
-    def panels(w):
+    def strips(w):                                   # [E, H, F] -> [E, Fp/32, 32/su, H, su]
         w = jnp.pad(w, ((0, 0), (0, 0), (0, fp - f)))
-        return w.reshape(e, h, fp // PANEL_UP, PANEL_UP).transpose(0, 2, 1, 3)
-    gate_up = jnp.concatenate([panels(experts["gate"]), panels(up)], -1) if "gate" in experts else panels(up)
+        return w.reshape(e, h, fp // PANEL_UP, PANEL_UP // su, su).transpose(0, 2, 3, 1, 4)
+    gate_up = jnp.concatenate([strips(experts["gate"]), strips(up)], -1) if "gate" in experts else strips(up)
     down = jnp.pad(experts["down"], ((0, 0), (0, fp - f), (0, hp - h)))
-    return {"gate_up": gate_up, "down": down.reshape(e, fp, hp // PANEL_DN, PANEL_DN).transpose(0, 2, 1, 3)}
+    down = down.reshape(e, fp, hp // PANEL_DN, PANEL_DN // sd, sd).transpose(0, 2, 3, 1, 4)
+    return {"gate_up": gate_up, "down": down}
 
 
 def cpu_kernel_applies(experts: dict) -> bool:
