@@ -113,7 +113,9 @@ def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
     packed = moe_mod.pack_params(p)
     assert set(packed["experts"]) == {"gate_up", "down"}
     out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True))(packed, x)
-    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+    # relu2 outputs reach ~100 here: fp32 rounding of an output is relative to that scale, not to its own size
+    scale = float(np.max(np.abs(ref)))
+    np.testing.assert_allclose(out, ref, atol=1e-4 + 4e-6 * scale, rtol=1e-4)
 
 
 @cpu_kernel

@@ -28,9 +28,9 @@ using namespace atlas;
 
 constexpr int64_t UP_RUN = 16;
 
-inline float activate(bool glu, float g, float u) {
-  if (glu) return g / (1.0f + std::exp(-g)) * u;     // silu(gate) * up
-  float r = std::max(u, 0.0f);                        // relu(up)^2
+inline vf activate(bool glu, vf g, vf u) {
+  if (glu) return g / (1.0f + exp_vf(-g)) * u;        // silu(gate) * up
+  const vf r = u > 0.0f ? u : vf{};                   // relu(up)^2
   return r * r;
 }
 
@@ -77,7 +77,7 @@ void up_tile(const float* const* xr, const float* panel, int64_t H, int64_t h0, 
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < V; ++v) {
         if (last) {
-          for (int i = 0; i < VW; ++i) hr[r][off + v * VW + i] = activate(GLU, ag[r][v][i], au[r][v][i]);
+          store(hr[r] + off + v * VW, activate(GLU, ag[r][v], au[r][v]));
         } else {
           if (GLU) store(ag_out[r] + off + v * VW, ag[r][v]);
           store(au_out[r] + off + v * VW, au[r][v]);

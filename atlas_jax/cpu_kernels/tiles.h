@@ -31,8 +31,34 @@ static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
 constexpr int UP_SUB = VW * UP_VECS, DN_SUB = VW * DN_VECS;
 typedef float vf __attribute__((vector_size(VW * 4)));
 
+typedef int32_t vi __attribute__((vector_size(VW * 4)));
+
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+// exp(x) lane-wise, within 2 ulp of expf for x in [-87, 88] (clamped there: exp(-87) ~ 1.6e-38, exp(88) ~ 1.7e38):
+// x = n ln2 + r (Cody-Waite, |r| <= ln2 / 2), exp(r) by Cephes' expf polynomial, 2^n into the exponent bits.
+inline vf exp_vf(vf x) {
+  const vf lo = vf{} - 87.0f, hi = vf{} + 88.0f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const vf t = x * 1.44269504f + 0.5f;
+  vi n = __builtin_convertvector(t, vi);
+  n += __builtin_convertvector(n, vf) > t;           // truncation -> floor (true lanes are -1)
+  const vf nf = __builtin_convertvector(n, vf);
+  const vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+  vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits;
+  std::memcpy(&bits, &p, sizeof p);
+  bits += (n << 23);
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
 
 // Panels are consumed in chunks of KC rows (KC x 256 B = 32 KB of a 64-wide panel): every row tile of a
 // block of up to ROW_BLOCK rows runs over a chunk (its partial sums kept in a 12 KB buffer) before the next
@@ -42,42 +68,49 @@ inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 constexpr int64_t KC = 128, ROW_BLOCK = 48;
 
 // Lines a prefetching k-iteration issues when a chunk has fewer k-iterations than lines to fetch (one or two
-// tiles of a few rows, one pass each: the memory-bound shapes, e.g. an expert's 8 pairs at 32 tokens).
+// tiles of a few rows, one pass each: the memory-bound shapes, e.g. an expert's 2 pairs at 8 tokens).
 constexpr int BURST = 4;
 
+// Lines to prefetch, spread evenly over the k-iterations to come (Bresenham: `lines` credits per iteration,
+// PF lines issued per `iterations * PF` credits). Even spacing keeps the line-fill buffers from filling up and
+// stalling the FMA loop's own loads (measured: the same prefetches front-loaded into the first 2/3 of a chunk
+// lost a third of the overlap of memory with compute).
 struct Prefetch {
   const char* p = nullptr;
   const char* end = nullptr;      // end of the last segment
   const char* seg_end = nullptr;  // end of the segment p is in
   int64_t seg_bytes = 0, seg_stride = 0;
-  int64_t mask = 0;
-  bool burst = false;     // BURST lines per k-iteration, else one line every mask + 1 k-iterations
+  int64_t lines = 0, iterations = 1, credit = 0;
+  bool burst = false;     // BURST lines at a time (more lines than iterations), else one
   // `segments` ranges of seg_bytes, seg_stride bytes apart from next on, prefetched over `iterations`
   // k-iterations to come (a chunk of every strip of a panel: its rows [k0, k1) of each strip).
   Prefetch(const void* next, int64_t seg_bytes, int64_t seg_stride, int64_t segments, int64_t iterations)
       : p(static_cast<const char*>(next)), end(next ? p + (segments - 1) * seg_stride + seg_bytes : p),
-        seg_end(p + seg_bytes), seg_bytes(seg_bytes), seg_stride(seg_stride) {
-    const int64_t lines = std::max<int64_t>(1, segments * seg_bytes / 64);
-    const int64_t every = std::max<int64_t>(1, iterations / lines);
-    while ((mask + 1) * 2 <= every) mask = mask * 2 + 1;
-    burst = 2 * iterations <= lines;
+        seg_end(p + seg_bytes), seg_bytes(seg_bytes), seg_stride(seg_stride),
+        lines(std::max<int64_t>(1, segments * seg_bytes / 64)), iterations(std::max<int64_t>(1, iterations)) {
+    burst = lines > this->iterations;
   }
   Prefetch() = default;   // nothing to prefetch
   bool active() const { return p < end; }
 };
 
 // The k-loop's side of a Prefetch, in registers: PF = 0 (nothing left to prefetch) compiles to nothing;
-// PF = 1 one line per step, PF = BURST that many (Prefetch::burst).
+// PF = 1 or BURST (Prefetch::burst): the lines issued at a time.
 template <int PF>
 struct PrefetchCursor {
   Prefetch& pf;
   const char *p, *end, *seg_end;
-  int64_t mask;
-  explicit PrefetchCursor(Prefetch& pf) : pf(pf), p(pf.p), end(pf.end), seg_end(pf.seg_end), mask(pf.mask) {}
-  ~PrefetchCursor() { pf.p = p; pf.seg_end = seg_end; }
-  inline void step(int64_t k) {
+  int64_t credit;
+  const int64_t lines, cost;        // credits per iteration, credits per PF lines
+  explicit PrefetchCursor(Prefetch& pf)
+      : pf(pf), p(pf.p), end(pf.end), seg_end(pf.seg_end), credit(pf.credit), lines(pf.lines),
+        cost(pf.iterations * PF) {}
+  ~PrefetchCursor() { pf.p = p; pf.seg_end = seg_end; pf.credit = credit; }
+  inline void step(int64_t) {
     if constexpr (PF > 0) {
-      if ((k & mask) == 0 && p < end) {
+      credit += lines;
+      if (credit >= cost && p < end) {
+        credit -= cost;
         for (int i = 0; i < PF; ++i) __builtin_prefetch(p + 64 * i, 0, 2);
         p += 64 * PF;
         if (p >= seg_end) {                       // on to the next strip's rows
