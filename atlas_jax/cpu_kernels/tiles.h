@@ -24,13 +24,12 @@ constexpr int DN_ROWS = 6, DN_VECS = 2;
 #endif
 static_assert(PANEL_UP % (VW * UP_VECS) == 0 && PANEL_DN % (VW * DN_VECS) == 0);
 
-// Sub-panels: a panel [K, W] is stored as W / SUB column strips [K, SUB], one after another, SUB = the columns
+// Strips: a panel [K, W] is stored as W / SUB column strips [K, SUB], one after another, SUB = the columns
 // one pass of a full tile covers (UP_SUB gate + UP_SUB up columns per row for the experts' gate_up panels). A
 // pass then streams one contiguous strip (line by line: the hardware prefetcher's pattern) instead of a few
 // bytes of every row of the whole panel. AVX-512: one strip per panel, the plain row-major panel.
 constexpr int UP_SUB = VW * UP_VECS, DN_SUB = VW * DN_VECS;
 typedef float vf __attribute__((vector_size(VW * 4)));
-
 typedef int32_t vi __attribute__((vector_size(VW * 4)));
 
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
@@ -63,7 +62,7 @@ inline vf exp_vf(vf x) {
 // Panels are consumed in chunks of KC rows (KC x 256 B = 32 KB of a 64-wide panel): every row tile of a
 // block of up to ROW_BLOCK rows runs over a chunk (its partial sums kept in a 12 KB buffer) before the next
 // chunk, so the chunk is read from DRAM once and re-read from L1 / L2, and a panel never has to fit in L2
-// whole (K = 4096 makes 1 MB panels). Meanwhile the next chunks are prefetched into L2, spread over the
+// whole (K = 4096 makes 1 MB panels). Meanwhile the next chunk is prefetched into L2, spread over the
 // chunk's k-iterations (Prefetch): DRAM streams under the FMAs instead of stalling the first tile.
 constexpr int64_t KC = 128, ROW_BLOCK = 48;
 
@@ -228,8 +227,9 @@ void chunked_rows(int64_t r_begin, int64_t r_end, const float* panel, const floa
   }
 }
 
-// Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN] (strips of DN_SUB), DN_ROWS rows a tile,
-// chunk by chunk (chunked_rows); emit(r, out_row) receives each row's PANEL_DN results. next: as chunked_rows.
+// Rows a[r * K : (r + 1) * K] for r in [r_begin, r_end) times one panel [K, PANEL_DN] (strips of DN_SUB),
+// DN_ROWS rows a tile, chunk by chunk (chunked_rows); emit(r, out_row) receives each row's PANEL_DN results.
+// next: as chunked_rows.
 template <typename Emit>
 void panel_rows(const float* a, int64_t K, int64_t r_begin, int64_t r_end, const float* panel, Emit&& emit,
                 const float* next = nullptr) {
