@@ -115,6 +115,15 @@ def strips() -> tuple[int, int]:
     return _state["strips"]
 
 
+def strip_panels(w, panel: int, sub: int):
+    """w [..., K, N] (N a multiple of `panel`) -> [..., N / panel, panel / sub, K, sub]: panels of `panel`
+    output columns, each stored as strips of `sub` columns (the layout every packed weight of the kernels uses)."""
+    *lead, k, n = w.shape
+    w = w.reshape(*lead, k, n // panel, panel // sub, sub)
+    d = len(lead)
+    return w.transpose(*range(d), d + 1, d + 2, d, d + 3)
+
+
 def linear(x, panels, n: int):
     """x [M, K] fp32 @ a weight [K, n] packed as panels [ceil(n / 64), 64 / DN_SUB, K, DN_SUB] (layers/linear.
     pack_linear) -> [M, n] fp32."""

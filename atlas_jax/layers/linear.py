@@ -46,11 +46,10 @@ class PackedLinear:
 
 def pack_linear(w) -> PackedLinear:
     """w [K, N] -> panels of 64 output columns, each in strips of DN_SUB columns (cpu_kernels.strips)."""
-    k, n = w.shape
+    n = w.shape[1]
     padded = -(-n // PANEL) * PANEL
-    sub = cpu_kernels.strips()[1]
-    panels = jnp.pad(w, ((0, 0), (0, padded - n))).reshape(k, padded // PANEL, PANEL // sub, sub)
-    return PackedLinear(panels.transpose(1, 2, 0, 3), n)
+    padded_w = jnp.pad(w, ((0, 0), (0, padded - n)))
+    return PackedLinear(cpu_kernels.strip_panels(padded_w, PANEL, cpu_kernels.strips()[1]), n)
 
 
 def packs(key, w) -> bool:

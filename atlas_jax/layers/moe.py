@@ -194,12 +194,10 @@ def pack_experts(experts: dict) -> dict:
     su, sd = cpu_kernels.strips()
 
     def strips(w):                                   # [E, H, F] -> [E, Fp/32, 32/su, H, su]
-        w = jnp.pad(w, ((0, 0), (0, 0), (0, fp - f)))
-        return w.reshape(e, h, fp // PANEL_UP, PANEL_UP // su, su).transpose(0, 2, 3, 1, 4)
+        return cpu_kernels.strip_panels(jnp.pad(w, ((0, 0), (0, 0), (0, fp - f))), PANEL_UP, su)
     gate_up = jnp.concatenate([strips(experts["gate"]), strips(up)], -1) if "gate" in experts else strips(up)
     down = jnp.pad(experts["down"], ((0, 0), (0, fp - f), (0, hp - h)))
-    down = down.reshape(e, fp, hp // PANEL_DN, PANEL_DN // sd, sd).transpose(0, 2, 3, 1, 4)
-    return {"gate_up": gate_up, "down": down}
+    return {"gate_up": gate_up, "down": cpu_kernels.strip_panels(down, PANEL_DN, sd)}
 
 
 def cpu_kernel_applies(experts: dict) -> bool:
