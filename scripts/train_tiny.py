@@ -8,8 +8,14 @@ trained. Data: files split by a hash of their path (held out: 1 in 20); the trai
 tokenized files joined by <|endoftext|>; batches are windows drawn from a seeded RNG keyed by step, so
 a resumed run (orbax checkpoints every --ckpt-every steps) sees exactly the batches it would have.
 
+Stage 2 (`--head-from CKPT`) trains only the MTP head of an exported checkpoint (the main model frozen, so
+its outputs and held-out numbers stay bit for bit), chained over --mtp-depths as the draft loop chains it,
+optionally distilled from the main model's own distribution (--distill: a draft is judged by the model).
+
   python scripts/train_tiny.py --out /tmp/atlas-tiny --minutes 55      # train + export
   python scripts/train_tiny.py --out /tmp/atlas-tiny --eval-only       # held-out numbers of the export
+  python scripts/train_tiny.py --out /tmp/atlas-tiny-2 --head-from /tmp/atlas-tiny --mtp-depths 3 --distill \
+      --steps 380 --warmup 20 --lr 1e-3                              # stage 2: the head (~15 minutes)
 Prints one JSON object at the end (held-out loss, bits per byte, throughput, completions).
 """
 from __future__ import annotations
@@ -150,8 +156,17 @@ def init_params(cfg, seed: int):
     return as_lists(tree)
 
 
-def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16):
-    """loss(params, windows [batch, seq + 2]) -> (total, (main CE, MTP CE)); CE in nats per token."""
+def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16, mtp_depths: int = 1,
+              distill: bool = False):
+    """loss(params, windows [batch, seq + 1 + mtp_depths]) -> (total, (main CE, MTP CE [mtp_depths], MTP
+    agreement [mtp_depths])); CE in nats per token. Depth d of the head sees the token d after each position
+    and, for d > 1, its own output hidden state of depth d - 1 (as drafting chains it), and predicts the token
+    d + 1 after; each depth attends causally over its own pass's KV (the draft loop's keys before the draft
+    position come from depth 1: an approximation, as DeepSeek-V3's MTP modules train). Agreement: how often
+    the head's argmax is the main model's argmax at that position (what greedy verification accepts).
+    total = main + mtp_weight * the mean over depths of the head's CE against the data, or with `distill`
+    against the main model's own distribution there (self-distillation: drafts are judged by the model, not
+    by the data)."""
     import jax
     import jax.numpy as jnp
 
@@ -167,20 +182,37 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16)
         return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
 
     def loss(params, windows):
-        inputs, nxt, after = windows[:, :seq], windows[:, 1:seq + 1], windows[:, 2:seq + 2]
-        seg = StepBatch(tokens=inputs, q_len=jnp.full((batch,), seq, jnp.int32),
+        seg = StepBatch(tokens=windows[:, :seq], q_len=jnp.full((batch,), seq, jnp.int32),
                         start=jnp.zeros((batch,), jnp.int32),
                         block_table=jnp.arange(batch * pages, dtype=jnp.int32).reshape(batch, pages),
                         slot=jnp.arange(batch, dtype=jnp.int32), state_idx=jnp.zeros((batch,), jnp.int32))
         state = init_state(cfg, batch * pages, page_size, batch, jnp.float32)
         (logits,), hidden, _ = forward(params, state, (seg,), cfg, all_logits=True, all_hidden=True)
-        main = ce(logits, nxt)
-        kv = init_mtp_kv(cfg, 1, batch * pages, page_size, jnp.float32)
-        out, _ = mtp_forward(params, kv, (seg,), nxt.reshape(-1), hidden, cfg)
-        mtp = ce(lm_head(params, out), after.reshape(-1))
-        return main + mtp_weight * mtp, (main, mtp)
+        main = ce(logits, windows[:, 1:seq + 1])
+        mtp, agree, soft = [], [], []
+        for d in range(1, mtp_depths + 1):      # RoPE is relative: depth d's positions need no shift
+            kv = init_mtp_kv(cfg, 1, batch * pages, page_size, jnp.float32)
+            hidden, _ = mtp_forward(params, kv, (seg,), windows[:, d:seq + d].reshape(-1), hidden, cfg)
+            head = lm_head(params, hidden).reshape(batch, seq, -1)
+            mtp.append(ce(head, windows[:, d + 1:seq + d + 1]))
+            judge = jax.lax.stop_gradient(logits[:, d:])      # the main model at p + d: [batch, seq - d, V]
+            agree.append(jnp.mean(jnp.argmax(head[:, :seq - d], -1) == jnp.argmax(judge, -1)))
+            if distill:
+                logq = jax.nn.log_softmax(head[:, :seq - d].astype(jnp.float32), axis=-1)
+                soft.append(-jnp.mean(jnp.sum(jax.nn.softmax(judge.astype(jnp.float32), -1) * logq, -1)))
+        mtp, agree = jnp.stack(mtp), jnp.stack(agree)
+        objective = jnp.mean(jnp.stack(soft)) if distill else jnp.mean(mtp)
+        return main + mtp_weight * objective, (main, mtp, agree)
 
     return loss
+
+
+def head_only(loss_fn, frozen):
+    """loss over the MTP head's params alone (the rest of `frozen` held fixed: the main model's outputs do
+    not change, so neither do its held-out numbers): head_loss(mtp_params, windows)."""
+    def head_loss(mtp_params, windows):
+        return loss_fn({**frozen, "mtp": mtp_params}, windows)
+    return head_loss
 
 
 # ---------------------------------------------------------------- export
@@ -227,26 +259,32 @@ def export(out: str, params, config: dict, tok) -> None:
 # ---------------------------------------------------------------- evaluation
 
 def evaluate(loss_fn, params, stream: np.ndarray, texts: list[str], batch: int, seq: int,
-             max_tokens: int | None = None) -> dict:
+             max_tokens: int | None = None, mtp_depths: int = 1) -> dict:
     """Mean next-token CE over non-overlapping windows covering `stream` (the last partial batch dropped;
-    at most max_tokens scored), and bits per byte = CE / (ln 2 * the stream's UTF-8 bytes per token)."""
-    width = seq + 2
+    at most max_tokens scored), and bits per byte = CE / (ln 2 * the stream's UTF-8 bytes per token);
+    mtp_loss: the head's CE at depth 1 (by_depth: at each depth when mtp_depths > 1)."""
+    width = seq + 1 + mtp_depths
     n_windows = (len(stream) - 2) // seq
     n_batches = max(1, n_windows // batch)
     if max_tokens:
         n_batches = max(1, min(n_batches, max_tokens // (batch * seq)))
-    main = mtp = 0.0
+    main, mtp, agree = 0.0, np.zeros(mtp_depths), np.zeros(mtp_depths)
     for b in range(n_batches):
         rows = [stream[(b * batch + i) * seq:(b * batch + i) * seq + width] for i in range(batch)]
         rows = [np.pad(r, (0, width - len(r))) for r in rows]
-        _, (m, t) = loss_fn(params, np.stack(rows))
+        _, (m, t, a) = loss_fn(params, np.stack(rows))
         main += float(m)
-        mtp += float(t)
-    main, mtp = main / n_batches, mtp / n_batches
+        mtp += np.asarray(t)
+        agree += np.asarray(a)
+    main, mtp, agree = main / n_batches, mtp / n_batches, agree / n_batches
     tokens_scored = n_batches * batch * seq
     bytes_per_token = sum(len(t.encode()) for t in texts) / len(stream)
-    return {"loss": round(main, 4), "mtp_loss": round(mtp, 4), "tokens": tokens_scored,
-            "bytes_per_token": round(bytes_per_token, 3), "bits_per_byte": round(main / math.log(2) / bytes_per_token, 4)}
+    out = {"loss": round(main, 4), "mtp_loss": round(float(mtp[0]), 4), "tokens": tokens_scored,
+           "bytes_per_token": round(bytes_per_token, 3), "bits_per_byte": round(main / math.log(2) / bytes_per_token, 4)}
+    out["mtp_agreement_by_depth"] = [round(float(a), 4) for a in agree]
+    if mtp_depths > 1:
+        out["mtp_loss_by_depth"] = [round(float(m), 4) for m in mtp]
+    return out
 
 
 # ---------------------------------------------------------------- main
@@ -264,6 +302,12 @@ def main(argv=None) -> dict:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--mtp-weight", type=float, default=0.5)
+    ap.add_argument("--mtp-depths", type=int, default=1, help="train the head on this many chained depths: depth "
+                    "d > 1 reads its own depth d - 1 output, as the draft loop does")
+    ap.add_argument("--distill", action="store_true", help="train the head on the main model's distribution at "
+                    "each position instead of the data's next tokens")
+    ap.add_argument("--head-from", default=None, metavar="CKPT", help="stage 2: train only the MTP head of the "
+                    "HF checkpoint CKPT (its tokenizer and config; the main model frozen) and export it to OUT")
     ap.add_argument("--ckpt-every", type=int, default=100)
     ap.add_argument("--eval-only", action="store_true")
     ap.add_argument("--token-map", type=int, default=1024, metavar="N", help="the MTP head's draft vocabulary "
@@ -291,7 +335,7 @@ def main(argv=None) -> dict:
         return {}
     work = os.path.abspath(args.work or args.out.rstrip("/") + ".work")
     os.makedirs(work, exist_ok=True)
-    tok_path = os.path.join(work, "tokenizer.json")
+    tok_path = os.path.join(args.head_from or work, "tokenizer.json")
     if os.path.exists(tok_path):
         from tokenizers import Tokenizer
         tok = Tokenizer.from_file(tok_path)
@@ -311,9 +355,21 @@ def main(argv=None) -> dict:
     config = {**CONFIG, **json.loads(args.config or "{}"), "vocab_size": tok.get_vocab_size(),
               "eos_token_id": tok.token_to_id("<|endoftext|>"), "bos_token_id": None,
               "pad_token_id": tok.token_to_id("<|endoftext|>")}
+    if args.head_from:
+        with open(os.path.join(args.head_from, "config.json")) as f:
+            config = json.load(f)
     cfg = ModelConfig.from_dict(config)
-    loss_fn = make_loss(cfg, args.batch, args.seq, args.mtp_weight)
+    loss_fn = make_loss(cfg, args.batch, args.seq, args.mtp_weight, mtp_depths=args.mtp_depths,
+                        distill=args.distill)
     eval_loss = jax.jit(loss_fn)
+    if args.head_from:            # stage 2: its own checkpoints and batches (seed + 1: windows stage 1 did not draw)
+        from atlas_jax.weights import load_model_params
+        model, _ = load_model_params(args.head_from, cfg, jnp.float32)
+        frozen = {k: v for k, v in model.items() if k != "mtp"}
+        train_loss = head_only(loss_fn, frozen)
+        data_seed, ckpt_dir = args.seed + 1, os.path.join(work, "ckpt_head")
+    else:
+        train_loss, data_seed, ckpt_dir = loss_fn, args.seed, os.path.join(work, "ckpt")
 
     warmup = min(args.warmup, args.steps // 10 + 1)
     schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, warmup, args.steps + 1, args.lr * 0.05)
@@ -323,13 +379,13 @@ def main(argv=None) -> dict:
 
     @jax.jit
     def train_step(params, opt_state, windows):
-        (total, (main, mtp)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, windows)
+        (total, (main, mtp, _)), grads = jax.value_and_grad(train_loss, has_aux=True)(params, windows)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, main, mtp
 
-    params = init_params(cfg, args.seed)
+    params = model["mtp"] if args.head_from else init_params(cfg, args.seed)
     opt_state = opt.init(params)
-    mngr = ocp.CheckpointManager(os.path.join(work, "ckpt"),
+    mngr = ocp.CheckpointManager(ckpt_dir,
                                  options=ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=1))
     step = 0
     trained_s = 0.0
@@ -344,16 +400,15 @@ def main(argv=None) -> dict:
         mngr.save(at, args=ocp.args.StandardSave(
             {"params": params, "opt_state": opt_state, "trained_s": np.asarray(trained_s)}), force=True)
 
-    n_params = sum(a.size for a in jax.tree.leaves(params))
-    width = args.seq + 2
+    width = args.seq + 1 + args.mtp_depths
     if not args.eval_only and step < args.steps:
         bar = tqdm(total=args.steps, initial=step, desc="train", dynamic_ncols=True)
         t_last, tokens_since = time.perf_counter(), 0
         while step < args.steps and (args.minutes is None or trained_s < args.minutes * 60):
-            windows = jnp.asarray(batch_at(train_stream, step, args.batch, width, args.seed))
+            windows = jnp.asarray(batch_at(train_stream, step, args.batch, width, data_seed))
             t0 = time.perf_counter()
             params, opt_state, main, mtp = train_step(params, opt_state, windows)
-            main, mtp = float(main), float(mtp)
+            main, mtp = float(main), float(np.mean(mtp))
             trained_s += time.perf_counter() - t0
             step += 1
             tokens_since += args.batch * args.seq
@@ -369,15 +424,18 @@ def main(argv=None) -> dict:
         if mngr.latest_step() != step:
             save(step)
     mngr.wait_until_finished()
-
+    if args.head_from:
+        params = {**frozen, "mtp": params}
+    n_params = sum(a.size for a in jax.tree.leaves(params))
     report = {
         "params": int(n_params), "steps": step, "train_tokens": step * args.batch * args.seq,
         "train_minutes": round(trained_s / 60, 1), "corpus": f"Python {sys.version.split()[0]} Lib/ "
         f"({len(train_texts)} train / {len(held_texts)} held-out files)",
         "train_stream_tokens": int(len(train_stream)),
-        "held_out": evaluate(eval_loss, params, held_stream, held_texts, args.batch, args.seq, args.eval_tokens),
+        "held_out": evaluate(eval_loss, params, held_stream, held_texts, args.batch, args.seq, args.eval_tokens,
+                             args.mtp_depths),
         "outside_stdlib": evaluate(eval_loss, params, outside_stream, outside, args.batch, args.seq,
-                                   args.eval_tokens),
+                                   args.eval_tokens, args.mtp_depths),
     }
     export(args.out, jax.tree.map(np.asarray, params), config, tok)
     if args.token_map:
