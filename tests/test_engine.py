@@ -77,10 +77,13 @@ def test_sampler_distribution():
 
 def test_padding_rows_and_columns_are_inert(llm):
     """3 rows of 3/1/2 tokens run in a 4x4 bucket (one padding row, padding columns): only the
-    real tokens' page positions and the real rows' slots change."""
+    real tokens' page positions and the real rows' slots change (every recurrent slot of the real rows; penalty
+    histories at most theirs: a fresh engine's rows were already empty)."""
     import jax
     runner = llm.runner
-    pools = lambda: jax.tree.leaves((runner.state.model, runner.state.penalties, runner.state.draft_kv))
+    pools = lambda: jax.tree.leaves((runner.state.model, runner.state.draft_kv))
+    penalties = lambda: jax.tree.leaves(runner.state.penalties)
+    before_penalties = [np.asarray(x).copy() for x in penalties()]
     before = [np.asarray(x).copy() for x in pools()]
     snapshots = [np.asarray(x).copy() for x in jax.tree.leaves(runner.state.snapshots)]
     pages = llm.blocks.allocate(3)
@@ -100,6 +103,9 @@ def test_padding_rows_and_columns_are_inert(llm):
             else:                                                 # recurrent-state slots
                 changed = set(np.argwhere(np.any((b != a).reshape(b.shape[0], -1), axis=1))[:, 0].tolist())
                 assert changed == set(slots)
+        for b, a in zip(before_penalties, penalties()):
+            changed = set(np.argwhere(np.any((b != np.asarray(a)).reshape(b.shape[0], -1), axis=1))[:, 0].tolist())
+            assert changed <= set(slots)
     finally:
         llm.blocks.free(pages)
         llm.slots.free(slots)
