@@ -169,6 +169,7 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16,
     by the data)."""
     import jax
     import jax.numpy as jnp
+    import optax
 
     from atlas_jax.batch import StepBatch
     from atlas_jax.models.decoder import forward, lm_head
@@ -198,8 +199,8 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16,
             judge = jax.lax.stop_gradient(logits[:, d:])      # the main model at p + d: [batch, seq - d, V]
             agree.append(jnp.mean(jnp.argmax(head[:, :seq - d], -1) == jnp.argmax(judge, -1)))
             if distill:
-                logq = jax.nn.log_softmax(head[:, :seq - d].astype(jnp.float32), axis=-1)
-                soft.append(-jnp.mean(jnp.sum(jax.nn.softmax(judge.astype(jnp.float32), -1) * logq, -1)))
+                soft.append(jnp.mean(optax.softmax_cross_entropy(head[:, :seq - d].astype(jnp.float32),
+                                                                 jax.nn.softmax(judge.astype(jnp.float32), -1))))
         mtp, agree = jnp.stack(mtp), jnp.stack(agree)
         objective = jnp.mean(jnp.stack(soft)) if distill else jnp.mean(mtp)
         return main + mtp_weight * objective, (main, mtp, agree)
@@ -352,12 +353,13 @@ def main(argv=None) -> dict:
     outside = outside_texts()
     outside_stream = token_stream(tok, outside)
 
-    config = {**CONFIG, **json.loads(args.config or "{}"), "vocab_size": tok.get_vocab_size(),
-              "eos_token_id": tok.token_to_id("<|endoftext|>"), "bos_token_id": None,
-              "pad_token_id": tok.token_to_id("<|endoftext|>")}
     if args.head_from:
         with open(os.path.join(args.head_from, "config.json")) as f:
             config = json.load(f)
+    else:
+        config = {**CONFIG, **json.loads(args.config or "{}"), "vocab_size": tok.get_vocab_size(),
+                  "eos_token_id": tok.token_to_id("<|endoftext|>"), "bos_token_id": None,
+                  "pad_token_id": tok.token_to_id("<|endoftext|>")}
     cfg = ModelConfig.from_dict(config)
     loss_fn = make_loss(cfg, args.batch, args.seq, args.mtp_weight, mtp_depths=args.mtp_depths,
                         distill=args.distill)
