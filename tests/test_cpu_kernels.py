@@ -4,6 +4,7 @@ dense projections vs float64, and the engine choosing them by default on CPU. Th
 test_moe.py."""
 import re
 import shutil
+import types
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,9 @@ from hypothesis import strategies as st
 from test_pallas_gdn import _inputs, _rows
 
 from atlas_jax import cpu_kernels
+from atlas_jax.batch import StepBatch
 from atlas_jax.kernels import CPU, XLA, resolve_kernels
-from atlas_jax.layers import linear
+from atlas_jax.layers import gdn, linear
 from pallas_kernels import gdn as pallas_gdn
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
@@ -71,6 +73,73 @@ def test_pool_updated_in_place():
     pool_ptr = pool.unsafe_buffer_pointer()
     new_pool, _ = step(pool, q, k, v, g, beta, *rows)
     assert new_pool.unsafe_buffer_pointer() == pool_ptr
+
+
+def _gdn_case(rng, grouped, hk, ratio, dk, dv, width, num_slots, positions, shapes):
+    """A GDN layer's params (grouped qkvz / ba or Qwen3.5's split projections), state pools and segments of the
+    given [B, T] shapes: rows that decode, are padding (q_len 0, slot out of range), start fresh or read a
+    later state position."""
+    hv, conv_k = hk * ratio, 4
+    c = 2 * hk * dk + hv * dv
+    n = lambda *s, scale=1.0: jnp.asarray(rng.standard_normal(s) * scale, jnp.float32)
+    p = {"conv": n(c, conv_k, scale=0.5), "A_log": n(hv, scale=0.5), "dt_bias": n(hv), "norm": n(dv),
+         "out": n(hv * dv, width, scale=0.2)}
+    if grouped:
+        p |= {"qkvz": n(width, hk * (2 * dk + 2 * ratio * dv), scale=0.3), "ba": n(width, 2 * hv, scale=0.3)}
+    else:
+        p |= {"qkv": n(width, c, scale=0.3), "z": n(width, hv * dv, scale=0.3), "b": n(width, hv), "a": n(width, hv)}
+    ssm = (n(num_slots, positions, hv, dk, dv, scale=0.3), n(num_slots, positions, c, conv_k))
+    slots = iter(rng.permutation(num_slots))
+    segments = []
+    for b, t in shapes:
+        q_len = rng.integers(0, t + 1, b).astype(np.int32)
+        q_len[rng.integers(b)] = t                                  # a full row in every segment
+        slot = np.array([next(slots) if q else num_slots for q in q_len], np.int32)
+        start = np.where(rng.random(b) < 0.3, 0, rng.integers(1, 50, b)).astype(np.int32)
+        segments.append(StepBatch(tokens=jnp.zeros((b, t), jnp.int32), q_len=jnp.asarray(q_len),
+                                  start=jnp.asarray(start), block_table=jnp.zeros((b, 1), jnp.int32),
+                                  slot=jnp.asarray(slot),
+                                  state_idx=jnp.asarray(rng.integers(0, positions, b), jnp.int32)))
+    cfg = types.SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
+                                linear_value_head_dim=dv, rms_norm_eps=1e-6)
+    x = n(sum(b * t for b, t in shapes), width)
+    return p, x, ssm, tuple(segments), cfg
+
+
+@settings(max_examples=examples(18), deadline=None)
+@given(grouped=st.booleans(), hk=st.sampled_from([1, 2]), ratio=st.sampled_from([1, 2, 4]),
+       dk=st.sampled_from([8, 16]), dv=st.sampled_from([8, 24]), decode_rows=st.integers(0, 4),
+       chunk=st.sampled_from([None, (2, 3), (3, 16), (2, 37)]), positions=st.sampled_from([1, 3]),
+       seed=st.integers(0, 10_000))
+@example(grouped=True, hk=2, ratio=2, dk=16, dv=16, decode_rows=4, chunk=(2, 37), positions=1, seed=1)  # a mixed step
+@example(grouped=False, hk=2, ratio=2, dk=8, dv=8, decode_rows=0, chunk=(3, 3), positions=3, seed=2)   # a verify step
+def test_gdn_layer_matches_xla(grouped, hk, ratio, dk, dv, decode_rows, chunk, positions, seed):
+    """The fused layer call (conv, gates, recurrence, gated norm; pools in place) against the XLA layer it
+    replaces: every real token's output and both pools, over decode, verify and prefill segments of one step."""
+    if chunk is not None and chunk[1] > 16 and positions > 1:
+        positions = 1      # prefill chunks with R > 1: the XLA path keeps only the final state (both are valid)
+    shapes = [s for s in ((decode_rows, 1), chunk) if s and s[0]] or [(1, 1)]
+    rng = np.random.default_rng(seed)
+    p, x, ssm, segments, cfg = _gdn_case(rng, grouped, hk, ratio, dk, dv, 24, 11, positions, shapes)
+    run = lambda kernels: jax.jit(lambda *a: gdn.gdn_layer(*a, cfg, kernels))(p, x, ssm, segments)
+    y_ref, (h_ref, conv_ref) = run(XLA)
+    y, (h, conv) = run(CPU)
+    real = np.concatenate([np.asarray(s.valid).reshape(-1) for s in segments])
+    np.testing.assert_allclose(np.asarray(y)[real], np.asarray(y_ref)[real], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(h, h_ref, **TOL)
+    np.testing.assert_allclose(conv, conv_ref, **TOL)
+
+
+def test_gdn_layer_pools_updated_in_place():
+    """Donated, both pools are aliased through the fused call: no copy of either in the compiled step."""
+    p, x, ssm, segments, cfg = _gdn_case(np.random.default_rng(5), True, 2, 2, 16, 16, 24, 64, 1, [(3, 1)])
+    step = jax.jit(lambda ssm, p, x, seg: gdn.gdn_layer(p, x, ssm, seg, cfg, CPU)[1], donate_argnums=0)
+    text = step.lower(ssm, p, x, segments).compile().as_text()
+    for pool in ssm:
+        shape = f"f32[{','.join(map(str, pool.shape))}]"
+        assert not [ln for ln in text.splitlines() if re.search(r"= " + re.escape(shape) + r"\S* copy\(", ln)]
+    pointers = [pool.unsafe_buffer_pointer() for pool in ssm]
+    assert [pool.unsafe_buffer_pointer() for pool in step(ssm, p, x, segments)] == pointers
 
 
 @settings(max_examples=examples(24), deadline=None)

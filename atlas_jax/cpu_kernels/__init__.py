@@ -23,10 +23,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "linear.cc", "paged_attention.cc")
-_HEADERS = ("common.h", "tiles.h")
+_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "gdn_layer.cc", "linear.cc", "paged_attention.cc")
+_HEADERS = ("common.h", "tiles.h", "gdn_step.h")
 _TARGETS = {"atlas_moe_experts": "AtlasMoeExperts",       # FFI target name -> exported handler symbol
-            "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_linear": "AtlasLinear",
+            "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_gdn_layer": "AtlasGdnLayer",
+            "atlas_linear": "AtlasLinear",
             "atlas_paged_attention": "AtlasPagedAttention"}
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _lock = threading.Lock()
@@ -154,6 +155,24 @@ def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, delta_
     return jax.ffi.ffi_call("atlas_gdn_recurrent", out, input_output_aliases={5: 1})(
         f32(q), f32(k), f32(v), f32(g), f32(beta), h_pool, i32(slot), i32(read_idx), i32(q_len), i32(fresh),
         delta_rule=delta_rule)
+
+
+def gdn_layer(src, z, b, a, conv_w, a_log, dt_bias, norm_w, h_pool, conv_pool, slot, read_idx, q_len, fresh,
+              grouped: bool, eps: float):
+    """A GDN layer's sequence-local part (gdn_layer.cc; reference: layers/gdn.gdn_layer on XLA): the input
+    projections' outputs src [B, T, W], z [B, T, Wz], b, a [B, T, Wg] (grouped per key head as qkvz / ba, src = z
+    and b = a; or flat as qkv / z / b / a) -> y [B, T, Hv * Dv] = rmsnorm(o) * norm_w * silu(z), the out
+    projection's input; h_pool [S, R, Hv, Dk, Dv] and conv_pool [S, R, C, K] (fp32) updated in place.
+    Returns (y, h_pool, conv_pool)."""
+    i32 = lambda x: x.astype(jnp.int32)
+    bsz, t = src.shape[:2]
+    hv, dv = h_pool.shape[2], h_pool.shape[4]
+    out = (jax.ShapeDtypeStruct((bsz, t, hv * dv), jnp.float32), jax.ShapeDtypeStruct(h_pool.shape, jnp.float32),
+           jax.ShapeDtypeStruct(conv_pool.shape, jnp.float32))
+    f32 = lambda x: x.astype(jnp.float32)
+    return jax.ffi.ffi_call("atlas_gdn_layer", out, input_output_aliases={8: 1, 9: 2})(
+        *(f32(x) for x in (src, z, b, a, conv_w, a_log, dt_bias, norm_w)), h_pool, conv_pool, i32(slot),
+        i32(read_idx), i32(q_len), i32(fresh), grouped=grouped, eps=np.float32(eps))
 
 
 def paged_attention(q, k_pages, v_pages, block_table, start, q_len, scale: float):

@@ -14,10 +14,12 @@
 #include <vector>
 
 #include "common.h"
+#include "gdn_step.h"
 
 namespace {
 
 using atlas::parallel_for;
+using atlas::token_update;
 
 struct Recurrence {
   const float *q, *k, *v, *g, *beta;
@@ -46,30 +48,8 @@ void run_item(const Recurrence& p, int64_t b, int64_t h, float* __restrict s, fl
     const float* qt = p.q + ((b * p.T + t) * p.Hk + kh) * p.Dk;
     const float* kt = p.k + ((b * p.T + t) * p.Hk + kh) * p.Dk;
     const float* vt = p.v + ((b * p.T + t) * p.Hv + h) * p.Dv;
-    const float decay = std::exp(p.g[(b * p.T + t) * p.Hv + h]);
-    const float beta = p.beta[(b * p.T + t) * p.Hv + h];
-    // pass 1: decay, and S^T k for the delta rule
-    for (int64_t j = 0; j < p.Dv; ++j) kv[j] = 0.0f;
-    for (int64_t i = 0; i < p.Dk; ++i) {
-      float* __restrict row = s + i * p.Dv;
-      const float ki = kt[i];
-      for (int64_t j = 0; j < p.Dv; ++j) {
-        row[j] *= decay;
-        kv[j] += row[j] * ki;
-      }
-    }
-    for (int64_t j = 0; j < p.Dv; ++j) kv[j] = beta * (vt[j] - (p.delta_rule ? kv[j] : 0.0f));   // delta
-    // pass 2: S += k delta^T, and o = S^T q
-    float* __restrict ot = o + t * p.Hv * p.Dv;
-    for (int64_t j = 0; j < p.Dv; ++j) ot[j] = 0.0f;
-    for (int64_t i = 0; i < p.Dk; ++i) {
-      float* __restrict row = s + i * p.Dv;
-      const float ki = kt[i], qi = qt[i];
-      for (int64_t j = 0; j < p.Dv; ++j) {
-        row[j] += ki * kv[j];
-        ot[j] += row[j] * qi;
-      }
-    }
+    const int64_t gi = (b * p.T + t) * p.Hv + h;
+    token_update(s, kv, qt, kt, vt, std::exp(p.g[gi]), p.beta[gi], o + t * p.Hv * p.Dv, p.Dk, p.Dv, p.delta_rule);
     if (t < p.R - 1 || t == q_len - 1) {
       const int64_t pos = std::min<int64_t>(t, p.R - 1);
       std::memcpy(p.pool + ((slot * p.R + pos) * p.Hv + h) * state, s, state * sizeof(float));

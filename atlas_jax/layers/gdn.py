@@ -276,6 +276,8 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
+    if kernels.cpu and x.dtype == jnp.float32 and all(s.dtype == jnp.float32 for s in ssm) and cpu_kernels.available():
+        return _cpu_layer(p, x, ssm, segments, cfg, slot)
     if "qkvz" in p:
         qkvz = project(x, p, "qkvz", slot).reshape(n, hk, 2 * dk + 2 * r * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
@@ -291,3 +293,22 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     o = join_segments(outs)                                          # [N, Hv, Dv]
     o = rms_norm_gated(o.astype(x.dtype), z.reshape(n, hv, dv), p["norm"], cfg.rms_norm_eps)
     return project(o.reshape(n, hv * dv), p, "out", slot), ssm
+
+
+def _cpu_layer(p, x, ssm, segments, cfg, slot):
+    """gdn_layer through cpu_kernels.gdn_layer: conv, gates, recurrence and gated norm in one call per segment
+    on the projections' outputs as they are (no split / concat / gather / scatter ops in the step)."""
+    grouped = "qkvz" in p
+    if grouped:
+        src = z = project(x, p, "qkvz", slot)
+        b_gate = a_gate = project(x, p, "ba", slot)
+    else:
+        src, z, b_gate, a_gate = (project(x, p, name, slot) for name in ("qkv", "z", "b", "a"))
+    h_pool, conv_pool = ssm
+    outs = []
+    for seg, *inputs in zip(segments, *(split_segments(a, segments) for a in (src, z, b_gate, a_gate))):
+        y, h_pool, conv_pool = cpu_kernels.gdn_layer(*inputs, p["conv"], p["A_log"], p["dt_bias"], p["norm"], h_pool,
+                                                     conv_pool, seg.slot, seg.state_idx, seg.q_len, seg.start == 0,
+                                                     grouped, cfg.rms_norm_eps)
+        outs.append(y)
+    return project(join_segments(outs), p, "out", slot), (h_pool, conv_pool)
