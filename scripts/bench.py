@@ -18,6 +18,9 @@ run for scale (CPU: a jitted sum over 512 MB, on XLA's own thread pool like the 
 of 5 rounds; GPU: a device-to-device copy of 2 GB, read + write bytes), and the compile count
 after warm-up (the engine compiles every bucket up front; serving must add none). Each
 measurement is the best of two runs (of 2 x --rounds: the batch sweep repeated, interleaved).
+Decode is timed directly: our engine's steps once every row of the batch has its first token, HF's
+forwards from its first token's logits to its last's (not total minus prefill time: at batch 32 that is a
+small difference of two noisy numbers).
 With --vs-hf, HF transformers (torch, CPU) runs the same prompts on the same checkpoint in the
 same process, and the JSON carries the ratios atlas_jax / HF.
 """
@@ -179,7 +182,8 @@ def main():
             before = llm.num_compiles
             round_prefill = min(_timed(lambda: generate(llm, prompts, first, b)) for _ in range(2))
             round_total = min(_timed(lambda: generate(llm, prompts, full, b)) for _ in range(2))
-            t_prefill, t_decode = min(t_prefill, round_prefill), min(t_decode, round_total - round_prefill)
+            round_decode = min(decode_seconds_per_token(llm, prompts, full, b) for _ in range(2))
+            t_prefill, t_decode = min(t_prefill, round_prefill), min(t_decode, round_decode * len(prompts) * steps)
             compiles += llm.num_compiles - before
             row = result["batches"].setdefault(b, {})
             row.update({
@@ -249,6 +253,25 @@ def code_prompts(tokenizer, length: int, count: int) -> list[list[int]]:
 def generate(llm, prompts, params, batch: int) -> list:
     """llm.generate over `prompts`, `batch` at a time."""
     return [o for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]
+
+
+def decode_seconds_per_token(llm, prompts, params, batch: int) -> float:
+    """llm.generate's loop over `prompts`, `batch` at a time, timing only the steps that run once every row of the
+    batch has its first token (nothing left to prefill: pure decode steps). Returns their seconds per token
+    emitted. Total minus prefill-only time would make decode a small difference of two noisy numbers at large
+    batches (at batch 32 the prompts' prefill is ~3x the decode time)."""
+    seconds, tokens = 0.0, 0
+    for i in range(0, len(prompts), batch):
+        seqs = [s for p in prompts[i:i + batch] for s in llm.engine.add_request(p, params).seqs]
+        while llm.engine.has_unfinished():
+            before = sum(len(s.output_ids) for s in seqs)
+            decoding = all(s.output_ids for s in seqs)
+            t0 = time.perf_counter()
+            llm.engine.step()
+            if decoding:
+                seconds += time.perf_counter() - t0
+                tokens += sum(len(s.output_ids) for s in seqs) - before
+    return seconds / tokens
 
 
 def _spec_throughput(spec, prompts, batch: int, full, first, steps, t_plain: float, best: dict, plain_rate: float,
@@ -334,8 +357,25 @@ def _hf_throughput(model, prompts, new: int) -> tuple[float, float]:
             model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
     gen(2)                                                    # warm-up
     t_prefill = min(_timed(lambda: gen(1)) for _ in range(2))
-    t_total = min(_timed(lambda: gen(new)) for _ in range(2))
-    return ids.numel() / t_prefill, len(prompts) * (new - 1) / (t_total - t_prefill)
+    t_decode = min(_hf_decode_seconds(model, ids, mask, new) for _ in range(2)) if new > 1 else float("inf")
+    return ids.numel() / t_prefill, len(prompts) * (new - 1) / t_decode
+
+
+def _hf_decode_seconds(model, ids, mask, new: int) -> float:
+    """Seconds of HF generate's new - 1 decode forwards: from the first token's logits (after the prefill) to the
+    last's, stamped by a logits processor (called once per forward, after it)."""
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+    stamps = []
+
+    class Stamp(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            stamps.append(time.perf_counter())
+            return scores
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                       logits_processor=LogitsProcessorList([Stamp()]))
+    return stamps[-1] - stamps[0]
 
 
 if __name__ == "__main__":
