@@ -41,6 +41,7 @@ struct Layer {
 };
 
 inline float silu(float x) { return x / (1.0f + std::exp(-x)); }
+inline float softplus(float x) { return std::max(x, 0.0f) + std::log1p(std::exp(-std::fabs(x))); }
 
 // x[i] = silu(x[i]) * (gate ? gate[i] * scale[i] * mul : 1), vectorised (exp_vf: within 2 ulp of expf).
 void silu_times(float* __restrict x, int64_t n, const float* gate = nullptr, const float* scale = nullptr,
@@ -70,7 +71,6 @@ void conv_token(float* __restrict win, const float* in, const float* cw, float* 
     x[n] = acc + in[n] * cw[K - 1];
   }
 }
-inline float softplus(float x) { return std::max(x, 0.0f) + std::log1p(std::exp(-std::fabs(x))); }
 
 // Where key head kh's columns start in a token's row: q, k, v (src), z, and the b / a gates.
 struct Offsets {
