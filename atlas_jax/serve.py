@@ -4,6 +4,14 @@
 With no --model it serves the embedded default model. The port opens at once; the engine thread
 compiles every step shape first, and /health answers 503 (Retry-After) until that is done, so a
 200 means serving compiles nothing more.
+Access: with --api-key every route but /health needs the key (/metrics too unless --public-metrics);
+bound to a loopback address, only loopback Host names are served (--allowed-hosts); POST bodies must
+be JSON; adapters load / unload at runtime only with --allow-runtime-lora-updating.
+Connections: request headers must arrive within --header-timeout seconds; an idle keep-alive
+connection closes after --timeout-keep-alive seconds; past --max-connections open connections a new
+one gets 503. Fairness: --max-seqs-per-request and --max-request-tokens cap one request,
+--max-requests-per-client caps one client's requests in flight (429), and the engine admits waiting
+requests client by client (a client = its API key when several are given, else its address).
 SIGINT / SIGTERM: drain — new requests get 503 + Retry-After (and /health 503), requests in flight
 run to their end for up to --shutdown-timeout seconds, then the rest end with an error (streams: an
 error event and `data: [DONE]`); exit 0. A second signal ends the drain at once.
@@ -25,8 +33,16 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     ap.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
     ap.add_argument("--served-model-name", default=None, help="model id clients use (default: the checkpoint dir name)")
-    ap.add_argument("--api-key", default=os.environ.get("ATLAS_JAX_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ATLAS_JAX_API_KEY, else none)")
+    env_keys = os.environ.get("ATLAS_JAX_API_KEY")
+    ap.add_argument("--api-key", nargs="+", default=env_keys.split(",") if env_keys else None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on every route but /health; several keys = several "
+                         "clients, admitted fairly (default: $ATLAS_JAX_API_KEY, comma-separated, else none)")
+    ap.add_argument("--public-metrics", action="store_true", help="serve /metrics without the API key")
+    ap.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                    help="Host header names served, '*' = any (default: the loopback names when bound to a loopback "
+                         "address, else any)")
+    ap.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 403)")
     ap.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (instead of --num-pages)")
     ap.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
     ap.add_argument("--tool-call-parser", default="auto",
@@ -36,7 +52,20 @@ def parse_args(argv=None):
                     help="split <think>...</think> into reasoning_content: auto (when the template has it), qwen3, none")
     ap.add_argument("--request-timeout", type=float, default=None, help="seconds; a request running longer ends "
                     "with finish_reason 'timeout'")
-    ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After")
+    ap.add_argument("--max-waiting", type=int, default=256, help="requests in flight before 503 + Retry-After "
+                    "(a client below its share of them is still admitted, up to half as many again)")
+    ap.add_argument("--max-requests-per-client", type=int, default=None,
+                    help="one client's requests (prompts) in flight before 429 + Retry-After (default: no cap)")
+    ap.add_argument("--max-seqs-per-request", type=int, default=256, help="sequences (prompts x n) one request may "
+                    "ask for (default 256)")
+    ap.add_argument("--max-request-tokens", type=int, default=1 << 20, help="tokens one request may ask for: "
+                    "prompts x n x max_tokens (default 1048576)")
+    ap.add_argument("--header-timeout", type=float, default=10.0, help="seconds a connection may take to send its "
+                    "request headers before it is closed (default 10)")
+    ap.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle keep-alive connection "
+                    "stays open (default 5)")
+    ap.add_argument("--max-connections", type=int, default=None, help="open connections before a new one gets 503 "
+                    "(default: 1024, within the open-file limit)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 22, help="largest request body (default 4 MiB); "
                     "larger ones are refused with 413 while being read")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight may take to "
@@ -85,6 +114,7 @@ def main(argv=None) -> None:
     from .engine.async_llm import AsyncLLM
     from .engine.llm import LLM
     from .server.app import build_app
+    from .server.connections import protocol_class, raise_fd_limit
 
     logging.basicConfig(level=args.log_level.upper())
     if args.kv_cache_memory is not None and engine_args.num_pages is None:
@@ -101,17 +131,36 @@ def main(argv=None) -> None:
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
                     request_timeout=args.request_timeout, max_waiting=args.max_waiting,
                     max_body_bytes=args.max_body_bytes, tool_call_parser=args.tool_call_parser,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, public_metrics=args.public_metrics,
+                    allowed_hosts=args.allowed_hosts or default_allowed_hosts(args.host),
+                    allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+                    max_requests_per_client=args.max_requests_per_client,
+                    max_seqs_per_request=args.max_seqs_per_request, max_request_tokens=args.max_request_tokens)
+    fd_limit = raise_fd_limit()
+    max_connections = args.max_connections or max(16, min(1024, fd_limit - 128))
 
     logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (warming up; /health is 503 until ready)",
                                         name, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=5)
+                            timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
+                            http=protocol_class(args.header_timeout, max_connections))
     server = _DrainingServer(config, engine, args.shutdown_timeout)
     try:
         server.run()          # returns after the drain that SIGINT / SIGTERM starts
     finally:
         engine.shutdown()     # abort whatever is still in flight, stop the engine thread
+
+
+def default_allowed_hosts(bind: str) -> list[str]:
+    """Loopback names when bound to a loopback address (a web page cannot rebind a name to it), else any."""
+    import ipaddress
+
+    from .server.guard import LOOPBACK_HOSTS
+    try:
+        loopback = bind == "localhost" or ipaddress.ip_address(bind).is_loopback
+    except ValueError:
+        loopback = False
+    return list(LOOPBACK_HOSTS) if loopback else ["*"]
 
 
 def _DrainingServer(config, engine, shutdown_timeout: float):

@@ -103,10 +103,11 @@ def spec_pair(ckpt_dir):
 
 
 @contextlib.contextmanager
-def serving(app):
-    """uvicorn serving `app` in a thread on a free loopback port (real sockets); yields the port."""
+def serving(app, **config):
+    """uvicorn serving `app` in a thread on a free loopback port (real sockets); yields the port.
+    config: more uvicorn.Config keywords (e.g. http=server.connections.protocol_class(...))."""
     import uvicorn
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", **config))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:

@@ -1,5 +1,6 @@
 """AsyncLLM: streaming outputs, abort, concurrency, refusal of bad input, engine failure."""
 import asyncio
+import logging
 
 import pytest
 
@@ -81,7 +82,8 @@ def test_bad_input_raises_before_queueing(allm):
     assert run(go())[-1].finished
 
 
-def test_engine_failure_fails_requests_and_refuses_new_ones(default_llm, offline):
+def test_engine_failure_fails_requests_and_refuses_new_ones(default_llm, offline, caplog):
+    caplog.set_level(logging.CRITICAL, logger="atlas_jax.engine")
     a = AsyncLLM.from_llm(default_llm)
     real_step = default_llm.engine.step
 
@@ -104,6 +106,8 @@ def test_engine_failure_fails_requests_and_refuses_new_ones(default_llm, offline
             assert a.num_in_flight == 0
         run(go())
         assert not a.is_running
+        died = [r for r in caplog.records if "the engine died" in r.getMessage()]      # logged, with the traceback
+        assert died and died[0].exc_info is not None and "device on fire" in caplog.text
     finally:
         default_llm.engine.step = real_step
         a.shutdown()

@@ -155,3 +155,53 @@ def test_forward_mixing_adapters_matches_peft(ckpt_dir, tmp_path, family):
     for row, ref in enumerate(refs):
         np.testing.assert_allclose(np.asarray(logits[0][row]), ref, atol=2e-5, rtol=1e-4)
     assert np.abs(refs[1] - refs[0]).max() > 1e-3 and np.abs(refs[2] - refs[1]).max() > 1e-3
+
+
+def _write_adapter(path, tensors: dict, r: int, alpha: float = 8) -> str:
+    """A PEFT-layout adapter directory from {module: (A [r, in], B [out, r])} arrays, written by hand."""
+    from safetensors.numpy import save_file
+    os.makedirs(path, exist_ok=True)
+    save_file({f"base_model.model.{m}.lora_{ab}.weight": t for m, (a, b) in tensors.items()
+               for ab, t in (("A", a), ("B", b))}, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha, "target_modules": ["q_proj"], "bias": "none"}, f)
+    return str(path)
+
+
+def test_damaged_adapters_are_refused_at_load(ckpt_dir, tmp_path):
+    """Every way an adapter's files can be wrong is a LoRAError naming it, raised when the adapter is read
+    (before any request can reach the device): shapes against the base projection (checked from the
+    header, before the data is read), dtype, non-finite values, truncated files, garbage headers."""
+    from atlas_jax.weights.lora import adaptable_shapes
+    path, _ = ckpt_dir("qwen3_lora_base", hf_models.make_qwen3)
+    cfg = ModelConfig.from_pretrained(path)
+    module = "model.layers.0.self_attn.q_proj"
+    _, (n_in, n_out) = adaptable_shapes(cfg)[module]
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal((4, n_in)).astype(np.float32), rng.standard_normal((n_out, 4)).astype(np.float32)
+    good = load_peft_adapter(_write_adapter(tmp_path / "good", {module: (a, b)}, 4), cfg, max_rank=8)
+    assert good.weights[adaptable(cfg)[module]][0].shape == (n_in, 8)
+
+    def refused(name, tensors, match, r=4, damage=None):
+        p = _write_adapter(tmp_path / name, tensors, r)
+        if damage is not None:
+            damage(os.path.join(p, "adapter_model.safetensors"))
+        with pytest.raises(LoRAError, match=match):
+            load_peft_adapter(p, cfg, max_rank=8)
+
+    other = rng.standard_normal((4, n_in + 3)).astype(np.float32)        # trained for another model size
+    refused("wide", {module: (other, b)}, rf"lora_A has shape \[4, {n_in + 3}\], this model needs \[4, {n_in}\]")
+    refused("tall", {module: (a, np.ones((n_out * 2, 4), np.float32))}, "lora_B has shape")
+    refused("rank", {module: (a, b)}, r"lora_A has shape \[4, .*rank 2", r=2)
+    refused("nan", {module: (a, np.where(b > 1, np.nan, b))}, "NaN or infinite")
+    refused("inf", {module: (np.full_like(a, np.inf), b)}, "NaN or infinite")
+    refused("ints", {module: (a.astype(np.int32), b.astype(np.int32))}, "dtype I32")
+
+    def truncate(f):
+        data = open(f, "rb").read()
+        open(f, "wb").write(data[:len(data) - 100])
+    refused("truncated", {module: (a, b)}, "cannot be read", damage=truncate)
+    refused("garbage", {module: (a, b)}, "cannot be read", damage=lambda f: open(f, "wb").write(b"\xff" * 64))
+    refused("empty", {module: (a, b)}, "cannot be read", damage=lambda f: open(f, "wb").close())
+    huge = rng.standard_normal((4, n_in * 64)).astype(np.float32)       # refused from the header's shape
+    refused("huge", {module: (huge, b)}, "lora_A has shape")

@@ -149,6 +149,60 @@ def test_rank_above_the_maximum_is_refused(qwen3_lora, tmp_path):
         llm.generate(prompts[0], GREEDY, lora_request=big)
 
 
+def test_an_adapter_changed_on_disk_after_eviction_fails_only_its_requests(qwen3_lora, tmp_path):
+    """An adapter dropped from the host cache (max_cpu_loras 2) whose files are then damaged: the next
+    request naming it is refused (AdapterUnavailableError), re-validated off the engine, and the engine
+    goes on serving the base model and the other adapters with their exact tokens; repaired files serve
+    again."""
+    import shutil
+
+    from atlas_jax.engine.lora import AdapterUnavailableError
+    llm, reqs, prompts, refs = qwen3_lora
+    manager = llm.engine.lora
+    shutil.copytree(reqs["c"].lora_path, tmp_path / "x")
+    x = LoRARequest("x", 11, str(tmp_path / "x"))
+    assert llm.generate(prompts[0], GREEDY, lora_request=x)[0].outputs[0].token_ids == refs["c"][0]
+    llm.generate([prompts[0], prompts[1]], GREEDY, lora_request=[reqs["a"], reqs["b"]])
+    uid = manager.lookup("a")[1]                 # (a lookup of another adapter; x is the least recent)
+    assert len(manager._host) == 2 and all(e.uid not in manager._host for n, e in manager._registry.items()
+                                           if n == "x"), uid
+    weights = tmp_path / "x" / "adapter_model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:len(good) // 2])
+    with pytest.raises(AdapterUnavailableError, match="could not be reloaded"):
+        llm.generate(prompts[0], GREEDY, lora_request="x")
+    outs = llm.generate([prompts[2], prompts[2]], GREEDY, lora_request=[None, reqs["a"]])
+    assert [o.outputs[0].token_ids for o in outs] == [refs[None][2], refs["a"][2]]
+    weights.write_bytes(good)
+    assert llm.generate(prompts[1], GREEDY, lora_request="x")[0].outputs[0].token_ids == refs["c"][1]
+    llm.remove_lora("x")
+
+
+def test_a_failing_adapter_slot_update_fails_only_its_request(qwen3_lora):
+    """The device update of an adapter slot raises (as a wrong-shape adapter did before validation): the
+    request that needed it finishes with "error", its batch mates get their exact tokens, the slot table
+    is left as it was, and the same adapter loads fine afterwards."""
+    llm, reqs, prompts, refs = qwen3_lora
+    manager = llm.engine.lora
+    y = LoRARequest("y", 12, reqs["b"].lora_path)
+    llm.add_lora(y)
+    real, table = manager._load_slot, list(manager.slot_uid)
+
+    def broken(slot, weights):
+        raise ValueError("Incompatible types for broadcasting")
+    manager._load_slot = broken
+    try:
+        outs = llm.generate([prompts[0], prompts[1], prompts[2]], GREEDY, lora_request=[None, y, None])
+    finally:
+        manager._load_slot = real
+    assert outs[1].outputs[0].finish_reason == "error" and "broadcasting" in outs[1].error
+    assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [refs[None][0], refs[None][2]]
+    assert all(u == t or u is None for u, t in zip(manager.slot_uid, table)) and manager.refcount == [0, 0, 0]
+    assert llm.generate(prompts[1], GREEDY, lora_request=y)[0].outputs[0].token_ids == refs["b"][1]
+    assert not llm.engine.requests and llm.blocks.num_free == llm.num_pages
+    llm.remove_lora("y")
+
+
 def test_engine_without_lora_refuses_adapters(default_llm):
     with pytest.raises(InvalidRequestError, match="enable_lora"):
         default_llm.generate([1, 2, 3], GREEDY, lora_request=LoRARequest("a", 1, "/nonexistent"))
@@ -214,7 +268,7 @@ def lora_server(qwen3_lora):
         llm.add_lora(r)
     engine = AsyncLLM.from_llm(llm)
     try:
-        with TestClient(build_app(engine, served_model_name="tiny")) as http:
+        with TestClient(build_app(engine, served_model_name="tiny", allow_runtime_lora_updating=True)) as http:
             yield http, openai.OpenAI(base_url="http://testserver/v1", api_key="x", http_client=http, max_retries=0)
     finally:
         engine.shutdown()
@@ -254,6 +308,51 @@ def test_server_loads_and_unloads_adapters(qwen3_lora, lora_server):
     assert http.post("/v1/unload_lora_adapter", json={"lora_name": "d"}).status_code == 404
     assert http.post("/v1/completions", json={"model": "d", "prompt": prompts[1], "max_tokens": 2}).status_code == 404
     assert http.post("/v1/load_lora_adapter", json={"lora_name": "d"}).status_code == 400      # no path
+
+
+def _damaged_adapters(base: str, tmp_path) -> dict:
+    """name -> adapter directory damaged one way each, from a good adapter at `base`."""
+    import shutil
+
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    out = {}
+    for name in ("wide", "nan", "truncated"):
+        out[name] = tmp_path / name
+        shutil.copytree(base, out[name])
+    file = "adapter_model.safetensors"
+    tensors = load_file(str(tmp_path / "wide" / file))
+    save_file({k: np.concatenate([v, v], axis=1) if ".lora_A." in k else v for k, v in tensors.items()},
+              str(tmp_path / "wide" / file))            # A's in-dim doubled: trained for another model size
+    save_file({k: np.full_like(v, np.nan) if ".lora_B." in k else v for k, v in tensors.items()},
+              str(tmp_path / "nan" / file))
+    data = (tmp_path / "truncated" / file).read_bytes()
+    (tmp_path / "truncated" / file).write_bytes(data[:len(data) - 64])
+    return out
+
+
+def test_server_refuses_damaged_adapters_and_stays_healthy(qwen3_lora, lora_server, tmp_path):
+    """Wrong-shape, NaN and truncated adapters loaded over HTTP: 400 naming the problem, nothing
+    registered; a canary's tokens are unchanged and /health stays 200. Runtime loading is refused
+    (403) on a server started without --allow-runtime-lora-updating."""
+    from fastapi.testclient import TestClient
+
+    from atlas_jax.server.app import build_app
+    _, reqs, prompts, refs = qwen3_lora
+    http, client = lora_server
+    for name, path in _damaged_adapters(reqs["a"].lora_path, tmp_path).items():
+        r = http.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)})
+        want = {"wide": "lora_A has shape", "nan": "NaN", "truncated": "cannot be read"}[name]
+        assert r.status_code == 400 and want in r.json()["error"]["message"], (name, r.text)
+        assert name not in [m.id for m in client.models.list().data]
+    assert http.get("/health").status_code == 200
+    out = client.completions.create(model="a", prompt=prompts[0], max_tokens=NEW, temperature=0.0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert out.choices[0].token_ids == refs["a"][0]
+    locked = TestClient(build_app(http.app.state.engine, served_model_name="tiny"))
+    for path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+        r = locked.post(path, json={"lora_name": "z", "lora_path": reqs["a"].lora_path})
+        assert r.status_code == 403 and "--allow-runtime-lora-updating" in r.json()["error"]["message"]
 
 
 def test_server_refuses_to_unload_an_adapter_in_use(qwen3_lora, lora_server):

@@ -264,3 +264,40 @@ def test_decode_rows_leave_the_prefill_budget_whole(llm, no_prefix_cache):
     while eng.has_unfinished():
         eng.step()
     assert_no_leaks(llm)
+
+
+def _steps_until_done(engine, req, limit=400) -> int:
+    for n in range(1, limit + 1):
+        engine.step()
+        if req.finished:
+            return n
+    raise AssertionError("the canary never finished")
+
+
+@pytest.mark.parametrize("fair", [True, False])
+def test_a_flooding_client_cannot_starve_another(llm, alone, fair):
+    """Client A queues 3 x max_num_seqs long sequences, then client B one short request: B is admitted at
+    once (a slot preempted from A, by recompute) and finishes within a few steps of its own length,
+    while A's sequences still produce exactly their unpreempted tokens. With both under one client
+    (fair=False: the same order without fairness) the canary waits for A's sequences to drain."""
+    engine = llm.engine
+    flood_params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    flood = [engine.add_request(PROMPTS[i % 4], flood_params, f"flood-{i}", client="A")
+             for i in range(3 * llm.max_num_seqs)]
+    for _ in range(4):
+        engine.step()
+    canary = engine.add_request(PROMPTS[5], GREEDY, "canary", client="B" if fair else "A")
+    before = engine.scheduler.num_preemptions["fairness"]
+    steps = _steps_until_done(engine, canary)
+    assert canary.seqs[0].output_ids == alone[5]
+    if fair:
+        assert steps <= GREEDY.max_tokens + 4, steps
+        assert engine.scheduler.num_preemptions["fairness"] > before
+    else:
+        assert steps > 2 * flood_params.max_tokens, steps        # it queued behind the flood
+    while engine.has_unfinished():
+        engine.step()
+    full = {i: llm.generate(PROMPTS[i], flood_params)[0].outputs[0].token_ids for i in range(4)}
+    for i, req in enumerate(flood):
+        assert req.seqs[0].output_ids == full[i % 4], i
+    assert_no_leaks(llm)

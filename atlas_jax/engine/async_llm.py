@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import queue
 import threading
 from typing import AsyncIterator
@@ -29,6 +30,7 @@ from .errors import EngineDeadError, RequestFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 
+log = logging.getLogger("atlas_jax.engine")
 PREP_WORKERS = 4        # threads that validate / tokenize / template requests (tokenizers releases the GIL)
 
 
@@ -90,18 +92,19 @@ class AsyncLLM:
         return len(self._streams)
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    lora_request=None) -> tuple[Request, asyncio.Queue]:
+                    lora_request=None, client: str | None = None) -> tuple[Request, asyncio.Queue]:
         """Validate (InvalidRequestError, a ValueError) and queue a request on the caller's thread;
         returns it and its output queue. Servers use `add_request_async` (validation off the loop).
-        lora_request: a LoRARequest, a registered adapter's name, or None (the base model)."""
+        lora_request: a LoRARequest, a registered adapter's name, or None (the base model); client: who
+        sent it (admission is fair between clients)."""
         self._check_accepting()
-        return self._enqueue(self.engine.make_request(prompt, params, request_id, lora_request))
+        return self._enqueue(self.engine.make_request(prompt, params, request_id, lora_request, client))
 
     async def add_request_async(self, prompt, params: SamplingParams, request_id: str | None = None,
-                                lora_request=None) -> tuple[Request, asyncio.Queue]:
+                                lora_request=None, client: str | None = None) -> tuple[Request, asyncio.Queue]:
         """add_request with validation and tokenization on the worker pool."""
         self._check_accepting()
-        req = await self.offload(self.engine.make_request, prompt, params, request_id, lora_request)
+        req = await self.offload(self.engine.make_request, prompt, params, request_id, lora_request, client)
         self._check_accepting()
         return self._enqueue(req)
 
@@ -194,6 +197,17 @@ class AsyncLLM:
             self._push(req.request_id, _Finished)
 
     def _handle(self, cmd) -> None:
+        """One command from the callers; a failure in it is logged and ends only the request it names."""
+        try:
+            self._command(cmd)
+        except Exception as e:               # noqa: BLE001 — host bookkeeping of one request: keep the loop
+            log.exception("engine command %s failed", cmd[:2] if cmd[0] != "add" else ("add", cmd[1].request_id))
+            if cmd[0] in ("add", "abort"):
+                rid = cmd[1].request_id if cmd[0] == "add" else cmd[1]
+                self.engine.requests.pop(rid, None)
+                self._push(rid, RequestFailedError(f"the engine failed this request: {e!r}"))
+
+    def _command(self, cmd) -> None:
         if cmd[0] == "add":
             req = cmd[1]
             try:
@@ -227,6 +241,8 @@ class AsyncLLM:
                     for req in self.engine.step():
                         self._emit(req)
         except BaseException as e:           # noqa: BLE001 — the engine is dead; fail everyone loudly
+            log.critical("the engine died: its step running request(s) %s raised; every request in flight "
+                         "fails and no more are accepted", self.engine.step_requests[:32], exc_info=e)
             with self._lock:
                 self.errored = e
             err = EngineDeadError(f"engine step failed: {e!r}")

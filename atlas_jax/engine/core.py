@@ -134,6 +134,7 @@ class EngineCore:
         self._order = itertools.count()
         self._ids = itertools.count()
         self.num_steps = 0
+        self.step_requests: list[str] = []           # request ids of the step being run (named if it kills the engine)
         self.num_failed_requests = 0                 # failed alone by step containment
         self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
 
@@ -168,10 +169,11 @@ class EngineCore:
                                       f"[0, {self.cfg.vocab_size})", param)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                     lora_request: LoRARequest | str | None = None) -> Request:
+                     lora_request: LoRARequest | str | None = None, client: str | None = None) -> Request:
         """Validate and build a request without queueing it; raises ValueError when it can never run.
         Touches no engine state, so any thread may call it. lora_request: a LoRARequest (registered and
-        read from disk here if new), a registered adapter's name, or None (the base model)."""
+        read from disk here if new), a registered adapter's name, or None (the base model). client: who
+        sent it (the scheduler admits clients fairly); None: the one anonymous client."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         lora = self._lookup_lora(lora_request, params)
@@ -215,7 +217,8 @@ class EngineCore:
             seqs.append(Sequence(request_id=request_id, prompt=text, prompt_ids=ids, params=params, seed=seed,
                                  max_len=max_len, order=next(self._order), detok=detok,
                                  eos_ids=tuple(self.cfg.eos_token_ids), bad_word_ids=bad_words,
-                                 lora_name=lora[0] if lora else None, cache_key=lora[1] if lora else 0))
+                                 lora_name=lora[0] if lora else None, cache_key=lora[1] if lora else 0,
+                                 client=client))
         req = Request(request_id, text, ids, params, seqs, lora)
         for s in seqs:
             s.request = req
@@ -264,8 +267,8 @@ class EngineCore:
         return [None] + [{int(t): float(logp[j, t]) for t in (ids[j + 1], *best[j])} for j in range(len(ids) - 1)]
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
-                    lora_request: LoRARequest | str | None = None) -> Request:
-        req = self.make_request(prompt, params, request_id, lora_request)
+                    lora_request: LoRARequest | str | None = None, client: str | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id, lora_request, client)
         self.submit(req)
         return req
 
@@ -293,18 +296,36 @@ class EngineCore:
         their progress. Only a failure that consumed the donated state is raised (the engine is
         then dead). Host work after the device ran is contained per row (`_contain`)."""
         plan = self.scheduler.schedule()
+        failed = self._scheduler_failures(plan)
+        self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
         if plan.empty:
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() and not failed:
                 raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
-            return []
+            return failed
         try:
-            return self._run(plan, speculate=True)
+            return failed + self._run(plan, speculate=True)
         except Exception as e:
             if self.runner.state_lost():
                 raise
             log.warning("step failed before the device ran (%r); running its %d sequences one by one",
                         e, len(plan.decode) + len(plan.prefill))
-            return self._isolate(plan)
+            return failed + self._isolate(plan)
+
+    def _scheduler_failures(self, plan: ScheduledStep) -> list[Request]:
+        """Fail the requests whose adapter slot could not be loaded while scheduling (their siblings leave
+        the plan with them); raised only if that load consumed the device state."""
+        failures, self.scheduler.failed = self.scheduler.failed, []
+        if not failures:
+            return []
+        if self.runner.state_lost():
+            raise failures[0][1]
+        touched = {}
+        for seq, e in failures:
+            if seq.request.request_id in self.requests:
+                touched[seq.request.request_id] = self._fail(seq.request, e)
+        plan.decode = [s for s in plan.decode if not s.finished]
+        plan.prefill = [(s, n) for s, n in plan.prefill if not s.finished]
+        return list(touched.values())
 
     def _run(self, plan: ScheduledStep, speculate: bool) -> list[Request]:
         now = time.monotonic()

@@ -19,6 +19,7 @@ from ..kernels import resolve_kernels
 from ..tokenizer import Tokenizer
 from ..weights import load_model_params
 from .args import EngineArgs
+from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
 from .core import EngineCore
 from .lora import LoRARequest
 from .sampling_params import SamplingParams
@@ -37,21 +38,6 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
         return jnp.dtype(_DTYPES[dtype])
     return jnp.dtype(dtype)
-
-
-def enable_compile_cache(path: str | None) -> None:
-    """JAX's persistent compilation cache: a restart reloads compiled steps instead of recompiling.
-    ATLAS_JAX_DISABLE_COMPILE_CACHE=1 keeps it off for the whole process (the test suite sets it)."""
-    if path and os.environ.get("ATLAS_JAX_DISABLE_COMPILE_CACHE", "") not in ("1", "true"):
-        os.makedirs(path, exist_ok=True)
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-
-def default_compile_cache_dir() -> str:
-    home = os.environ.get("ATLAS_JAX_HOME") or os.path.join(os.path.expanduser("~"), ".cache", "atlas_jax")
-    return os.path.join(home, "xla_cache")
 
 
 class LLM:

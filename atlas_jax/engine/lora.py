@@ -9,7 +9,12 @@ else into the least recently used idle one; when every slot is busy `acquire` re
 scheduler leaves the request waiting — a busy slot is never evicted.
 
 Adapters are registered by name (LoRARequest, the server's --lora-modules, /v1/load_lora_adapter),
-read from disk on first use and kept in an LRU host cache of max_cpu_loras adapters. Each
+read from disk and validated completely when registered (weights/lora.py) and kept in an LRU host
+cache of max_cpu_loras adapters; an adapter that requests in the engine use is never dropped from it.
+One dropped earlier is read and validated again by the next request that names it, on that request's
+thread (`lookup`), never on the engine thread: a reload that fails refuses that request
+(AdapterUnavailableError), nothing else. A device slot update that fails leaves the slot table as it
+was and fails only the sequence that asked (`acquire` raises; the scheduler contains it). Each
 registration gets a fresh `uid`, the sequence's prefix-cache key: KV computed under one adapter is
 never reused under another, nor under the same name re-registered from other files.
 """
@@ -25,7 +30,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..layers.lora import param_at
 from ..weights.lora import LoRAAdapter, LoRAError, adaptable, load_peft_adapter
-from .errors import InvalidRequestError
+from .errors import InvalidRequestError, RequestFailedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +53,11 @@ class LoRARequest:
 
 class UnknownAdapterError(InvalidRequestError):
     """A request names an adapter that is not registered (HTTP 404)."""
+
+
+class AdapterUnavailableError(RequestFailedError):
+    """A registered adapter cannot be served now (its files changed or vanished since it was loaded, or
+    its device slot could not be written): the requests that name it fail, the engine goes on."""
 
 
 @dataclasses.dataclass
@@ -126,19 +136,25 @@ class LoRAManager:
         if not isinstance(req, LoRARequest):
             raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(req).__name__}", "lora_request")
         try:
-            return req.lora_name, self.register(req)
+            uid = self.register(req)
         except InvalidRequestError:
             raise
         except LoRAError as e:
             raise InvalidRequestError(str(e), "lora_request") from None
+        self._host_copy(req.lora_name, uid)
+        return req.lora_name, uid
 
     def use(self, name: str, uid: int) -> None:
-        """One more queued request under registration (name, uid) until `done(name)`; refused when the
-        name was unloaded or re-registered since `lookup`."""
+        """One more queued request under registration (name, uid) until `done(name)`, its host copy kept
+        meanwhile; refused when the name was unloaded or re-registered since `lookup`, or when its host
+        copy was dropped since (then the caller retries through `lookup`)."""
         with self._lock:
             entry = self._registry.get(name)
             if entry is None or entry.uid != uid:
                 raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
+            if uid not in self._host:
+                raise AdapterUnavailableError(f"adapter {name!r} left the host cache before its request was "
+                                              "queued; retry")
             entry.in_use += 1
 
     def done(self, name: str) -> None:
@@ -160,7 +176,12 @@ class LoRAManager:
                 if not free:
                     return None
                 slot = min(free, key=lambda s: (self.slot_uid[s] is not None, self.last_used[s]))  # empty, else LRU
-                self._load_slot(slot, self._weights(uid))
+                weights = self._weights(uid)
+                self.slot_uid[slot] = None                 # whatever it held is being overwritten
+                try:
+                    self._load_slot(slot, weights)
+                except Exception as e:                     # noqa: BLE001 — contained: this request fails
+                    raise AdapterUnavailableError(f"adapter slot {slot} could not be loaded: {e!r}") from e
                 self.slot_uid[slot] = uid
                 self.num_promotions += 1
             self.refcount[slot] += 1
@@ -186,21 +207,40 @@ class LoRAManager:
         return load_peft_adapter(req.lora_path, self.cfg, self.max_rank, req.lora_name)
 
     def _cache(self, uid: int, adapter: LoRAAdapter) -> None:
+        """Keep `adapter`; drop the least recently used copies past max_cpu_loras, never one in use."""
         self._host[uid] = adapter
         self._host.move_to_end(uid)
-        while len(self._host) > self.max_cpu_loras:
-            self._host.popitem(last=False)
+        busy = {e.uid for e in self._registry.values() if e.in_use}
+        for old in [u for u in self._host if u not in busy and u != uid]:
+            if len(self._host) <= self.max_cpu_loras:
+                break
+            del self._host[old]
+
+    def _host_copy(self, name: str, uid: int) -> None:
+        """Registration uid's validated weights in host memory, read again (and validated) if they were
+        dropped: on the calling request's thread. AdapterUnavailableError when the files no longer load."""
+        with self._lock:
+            if uid in self._host:
+                self._host.move_to_end(uid)
+                return
+            entry = self._registry.get(name)
+        if entry is None or entry.uid != uid:
+            raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
+        try:
+            adapter = self._read(entry.request)
+        except LoRAError as e:
+            raise AdapterUnavailableError(f"adapter {name!r} could not be reloaded from {entry.request.lora_path}: "
+                                          f"{e}") from None
+        with self._lock:
+            if self._registry.get(name) is entry:
+                self._cache(uid, adapter)
 
     def _weights(self, uid: int) -> dict:
-        """The full pool update for one slot: every adaptable projection, zeros where the adapter has none."""
+        """An adapter's validated host copy (kept while requests in the engine use it)."""
         with self._lock:
             adapter = self._host.get(uid)
-            entry = next(e for e in self._registry.values() if e.uid == uid)
-        if adapter is None:                            # dropped from the host cache: read it again
-            adapter = self._read(entry.request)
-            with self._lock:
-                self._cache(uid, adapter)
-        with self._lock:
+            if adapter is None:
+                raise AdapterUnavailableError(f"adapter registration {uid} has no host copy")
             self._host.move_to_end(uid)
         return adapter.weights
 

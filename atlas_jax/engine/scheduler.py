@@ -25,17 +25,26 @@ pages stay cached (idle, evictable) until memory is needed, and idle pages are r
 anything is preempted. With n > 1 the siblings wait until the first has prefilled the prompt up to
 its last token and then start from that cached state (a fork: pages shared, state copied).
 
+Clients (`Sequence.client`: an API key or peer address, set by the server): admission takes waiting
+sequences client by client, the client with the fewest running sequences first (one client's in queue
+order), so one client's flood cannot starve another's requests. When every slot is taken and a
+waiting client runs fewer than its share (max_num_seqs / active clients) while another runs more,
+one sequence of the client with the most (least progress first) is preempted by recompute per step
+(back to waiting, its cached prefix kept when prefix caching is on). With one client (LLM, or every
+request from one address) this is plain first come, first served.
+
 LoRA (`adapters`, engine/lora.py): a sequence under an adapter holds a reference on the adapter's
 device slot while it holds a recurrent slot (admission or swap-in to its release). When no adapter
 slot can be had (all hold adapters in use) it stays queued, and so does every later sequence that
 needs an adapter (first come, first served: the slots drain and it gets one); base-model sequences
-go on being admitted.
+go on being admitted. A failure to load a sequence's adapter slot is recorded in `failed` (the engine
+fails that request) and never raised out of `schedule`.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections import deque
+from collections import Counter, deque
 
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.prefix_cache import PrefixCache
@@ -83,7 +92,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.swap_bytes = 0
-        self.num_preemptions = {"swap": 0, "recompute": 0}
+        self.num_preemptions = {"swap": 0, "recompute": 0, "fairness": 0}
+        self.failed: list[tuple[Sequence, Exception]] = []   # adapter slot loads that failed (engine fails them)
 
     # ---- queue changes ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -132,7 +142,13 @@ class Scheduler:
         if self.adapters is None or seq.lora_name is None:
             seq.adapter_slot = 0
             return True
-        seq.adapter_slot = self.adapters.acquire(seq.cache_key)
+        try:
+            seq.adapter_slot = self.adapters.acquire(seq.cache_key)
+        except Exception as e:                          # noqa: BLE001 — contained: the engine fails this request
+            seq.adapter_slot = None
+            if all(f is not seq for f, _ in self.failed):
+                self.failed.append((seq, e))
+            return False
         return seq.adapter_slot is not None
 
     # ---- one step ---------------------------------------------------------------------------
@@ -192,13 +208,18 @@ class Scheduler:
 
     def _admit(self, chosen: dict) -> None:
         cfg = self.config
-        i, adapters_blocked = 0, False
-        while i < len(self.waiting) and not self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
-            seq = self.waiting[i]
+        if not self.waiting or self.swapped:
+            return
+        order = self._admission_order()
+        self._preempt_for_fairness(order, chosen)
+        adapters_blocked = False
+        for seq in order:
+            if self.swapped or len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
+                return
             if (seq.fork_leader is not None and not seq.fork_leader.fork_ready) or \
-                    (adapters_blocked and seq.lora_name is not None):
-                i += 1                                    # a sibling waits for the shared prompt to be cached
-                continue                                  # (or an earlier sequence for an adapter slot)
+                    (adapters_blocked and seq.lora_name is not None) or any(f is seq for f, _ in self.failed):
+                continue                                  # a sibling waits for the shared prompt to be cached
+                                                          # (or an earlier sequence for an adapter slot)
             budget = self._budget(chosen)
             hit = self._lookup(seq) if budget > 0 else None
             start = hit.length if hit is not None else 0
@@ -215,9 +236,8 @@ class Scheduler:
             if not self._take_adapter(seq):               # every adapter slot is busy: it waits
                 self.blocks.free(keep)
                 adapters_blocked = True
-                i += 1
                 continue
-            del self.waiting[i]
+            self.waiting.remove(seq)
             if hit is not None:
                 self.cache.record(seq.num_tokens, hit)
                 if seq.num_prefix_cached is None:
@@ -231,6 +251,42 @@ class Scheduler:
             seq.status = Status.RUNNING
             self._insert_running(seq)
             chosen[seq] = n
+
+    def _admission_order(self) -> list[Sequence]:
+        """Waiting sequences in the order admission considers them: clients interleaved, the one with the
+        fewest running (then admitted in this order) first; each client's own in queue order."""
+        if all(s.client == self.waiting[0].client for s in self.waiting):
+            return list(self.waiting)
+        queues: dict[str | None, deque] = {}
+        for s in self.waiting:
+            queues.setdefault(s.client, deque()).append(s)
+        load = Counter(s.client for s in self.running)
+        order = []
+        while queues:
+            client = min(queues, key=lambda c: (load[c], queues[c][0].order))
+            order.append(queues[client].popleft())
+            load[client] += 1
+            if not queues[client]:
+                del queues[client]
+        return order
+
+    def _preempt_for_fairness(self, order: list[Sequence], chosen: dict) -> None:
+        """Every slot taken: free one for the first waiting client below its share, from the client
+        running the most sequences above it (its least-progress sequence, by recompute)."""
+        if len(self.running) < self.config.max_num_seqs and self.slots.num_free:
+            return
+        head = next((s for s in order if s.fork_leader is None or s.fork_leader.fork_ready), None)
+        if head is None:
+            return
+        load = Counter(s.client for s in self.running)
+        share = max(1, self.config.max_num_seqs // len(set(load) | {s.client for s in self.waiting}))
+        heavy, most = max(load.items(), key=lambda kv: kv[1])
+        if load[head.client] >= share or most <= share or heavy == head.client:
+            return
+        victim = min((s for s in self.running if s.client == heavy), key=lambda s: (s.num_cached, -s.order))
+        chosen.pop(victim, None)
+        self.num_preemptions["fairness"] += 1
+        self._preempt(victim, mode="recompute")
 
     def _lookup(self, seq: Sequence):
         """seq's cached prefix (None without a cache), and its snap points (branch point, fork point,
@@ -285,11 +341,11 @@ class Scheduler:
         self.running.insert(i, seq)
 
     # ---- preemption ---------------------------------------------------------------------------
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Sequence, mode: str | None = None) -> None:
         self.running.remove(seq)
         seq.metrics.num_preemptions += 1
         cached_pages = seq.pages[:self.blocks.pages_for(seq.num_cached)]
-        if self.config.preemption_mode == "swap" and seq.num_cached > 0:
+        if (mode or self.config.preemption_mode) == "swap" and seq.num_cached > 0:
             state = self.swapper.save(cached_pages, seq.slot)
             size = self.swapper.nbytes(state)
             if self.swap_bytes + size <= self.config.swap_space_bytes:
@@ -300,7 +356,8 @@ class Scheduler:
                 i = next((i for i, s in enumerate(self.swapped) if s.order > seq.order), len(self.swapped))
                 self.swapped.insert(i, seq)
                 return
-        self.num_preemptions["recompute"] += 1
+        if mode is None:
+            self.num_preemptions["recompute"] += 1
         self._release(seq)
         seq.num_cached = seq.state_idx = 0
         seq.pending_drafts = []

@@ -75,6 +75,7 @@ class Sequence:
     eos_ids: tuple[int, ...] = ()              # the model's end tokens (finish; banned before min_tokens)
     bad_word_ids: tuple[tuple[int, ...], ...] = ()   # bad_words tokenized (each with and without a leading space)
     lora_name: str | None = None               # the LoRA adapter it runs under (None = the base model)
+    client: str | None = None                  # who sent it (fair admission between clients; None = one client)
     adapter_slot: int | None = None            # its adapter's device slot while it holds one (0 = base model)
     # prefix cache (state/prefix_cache.py)
     cache_key: int = 0                         # which cache tree: 0 = the base model, else its adapter's uid

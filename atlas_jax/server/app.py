@@ -3,7 +3,8 @@ guard.py (middleware, error shapes), streams.py (request plumbing shared by the 
 serving_completions.py and serving_chat.py (the generating routes), metrics.py (prometheus).
 
 Every response carries x-request-id; errors use OpenAI's shape {"error": {message, type, param,
-code}}; /v1/* needs the API key when one is set. Streams are server-sent events ending with
+code}}; every route but /health needs the API key when one is set (guard.py). Loading / unloading
+LoRA adapters at runtime is refused (403) unless allow_runtime_lora_updating. Streams are server-sent events ending with
 `data: [DONE]`. A client that goes away aborts its request (the stream generator is closed, which
 aborts it on the engine thread). --request-timeout ends a request with finish_reason "timeout".
 """
@@ -29,19 +30,26 @@ from .protocol import DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest
 from .streams import ServerContext
 
 
-def build_app(engine, *, served_model_name: str, api_key: str | None = None, chat_template: str | None = None,
-              request_timeout: float | None = None, max_waiting: int = 256, max_body_bytes: int = 1 << 22,
-              tool_call_parser: str = "auto", reasoning_parser: str = "auto") -> FastAPI:
+def build_app(engine, *, served_model_name: str, api_key: str | list[str] | None = None,
+              chat_template: str | None = None, request_timeout: float | None = None, max_waiting: int = 256,
+              max_body_bytes: int = 1 << 22, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
+              public_metrics: bool = False, allowed_hosts: list[str] | None = None,
+              allow_runtime_lora_updating: bool = False, max_requests_per_client: int | None = None,
+              max_seqs_per_request: int = 256, max_request_tokens: int | None = 1 << 20) -> FastAPI:
+    """The app over an AsyncLLM; the keywords are serve.py's flags (their help says what each does)."""
     app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON)
     metrics = Metrics(engine)
     template = ChatTemplate.for_model(engine.llm.model_path, chat_template)
     ctx = ServerContext(engine, metrics, served_model_name, template,
                         resolve_tool_parser(tool_call_parser, template.source),
-                        resolve_reasoning_parser(reasoning_parser, template.source), request_timeout, max_waiting)
+                        resolve_reasoning_parser(reasoning_parser, template.source), request_timeout, max_waiting,
+                        max_requests_per_client, max_seqs_per_request, max_request_tokens)
     app.state.engine, app.state.metrics, app.state.ctx = engine, metrics, ctx
     app.state.tool_format, app.state.reasoning = ctx.tool_format, ctx.reasoning
+    app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, is_draining=lambda: engine.is_draining,
-                       on_response=lambda path, status: metrics.requests.labels(path_label(path), str(status)).inc())
+                       on_response=lambda path, status: metrics.requests.labels(path_label(path), str(status)).inc(),
+                       public_metrics=public_metrics, allowed_hosts=allowed_hosts)
     _add_error_handlers(app)
     _add_service_routes(app, ctx)
     serving_completions.add_routes(app, ctx)
@@ -99,15 +107,19 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
                          "root": r.lora_path, "parent": ctx.model_name, "max_model_len": max_len})
         return {"object": "list", "data": data}
 
-    def need_loras():
+    def need_loras(request: Request):
         if ctx.loras is None:
             raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)")
+        if not request.app.state.allow_runtime_lora_updating:
+            raise APIError(403, "loading and unloading LoRA adapters at runtime is off; start the server with "
+                                "--allow-runtime-lora-updating", "permission_error")
+        ctx.check_capacity()                    # never report success to a client of a dead engine
         return ctx.loras
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
+        loras = need_loras(request)
         body = await read_json(request, LoadLoRAAdapterRequest, engine.offload)
-        loras = need_loras()
         if body.lora_name == ctx.model_name or any(r.lora_name == body.lora_name for r in loras.names()):
             raise APIError(400, f"the LoRA adapter {body.lora_name!r} has already been loaded", param="lora_name")
         try:
@@ -118,9 +130,10 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
+        loras = need_loras(request)
         body = await read_json(request, UnloadLoRAAdapterRequest, engine.offload)
         try:
-            need_loras().unregister(body.lora_name)
+            loras.unregister(body.lora_name)
         except UnknownAdapterError as e:
             raise APIError(404, str(e), param="lora_name", code="model_not_found") from None
         except LoRAError as e:                  # in use: refused, the requests running under it are untouched

@@ -9,7 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from ..tokenizer import check_unicode
-from .guard import APIError
+from .guard import JSON, APIError
 from .parsers import THINK_END, THINK_START, Delta, OutputParser, forced_opening
 from .protocol import ChatCompletionRequest
 from .streams import DONE, ServerContext, guarded, logprob, prompt_count, sse, usage
@@ -55,7 +55,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             return calls if body.parallel_tool_calls else calls[:1]
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         head = {"id": rid, "created": int(time.time()), "model": lora or ctx.model_name}
-        items = await ctx.started([prompt], params, rid, lora)
+        items = await ctx.started(request, [prompt], params, rid, lora)
 
         def tok(t):
             s = ctx.token_text(t)
@@ -107,7 +107,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                 yield DONE
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
-        choices, prompt_tokens = await ctx.collect(request, items, 1)
+        choices, prompt_tokens = await ctx.collect(items, 1)
 
         def message(text):
             d = parser().parse(text)
@@ -130,4 +130,4 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             extra = {"prompt_logprobs": first.prompt_logprobs} if first and first.prompt_logprobs is not None else {}
             return {**head, "object": "chat.completion", "choices": out, "usage": usage(prompt_tokens, completion),
                     **extra}
-        return await engine.offload(response)
+        return await engine.offload(lambda: JSON(response()))       # rendered off the event loop too

@@ -7,7 +7,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from .guard import APIError
+from .guard import JSON, APIError
 from .protocol import CompletionRequest
 from .streams import DONE, Choice, ServerContext, guarded, logprob, prompt_count, sse, usage
 
@@ -30,7 +30,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
         params = body.sampling_params(16 if body.max_tokens is None else body.max_tokens, body.logprobs)
         rid = f"cmpl-{uuid.uuid4().hex}"             # x-request-id stays a header: clients may repeat it
         created, n = int(time.time()), body.n
-        items = await ctx.started(prompts, params, rid, lora)
+        items = await ctx.started(request, prompts, params, rid, lora)
         head = {"id": rid, "object": "text_completion", "created": created, "model": lora or ctx.model_name}
 
         def choice_logprobs(token_ids, lps):
@@ -56,15 +56,17 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                         if body.return_token_ids:
                             choice["token_ids"] = list(c.token_ids)
                         if out.prompt_logprobs is not None and (i, c.index) not in sent_prompt:
-                            choice["prompt_logprobs"] = ctx.prompt_logprobs(out.prompt_logprobs)
+                            choice["prompt_logprobs"] = await ctx.prompt_logprobs_async(out.prompt_logprobs)
                             sent_prompt.add((i, c.index))
+                            yield await engine.offload(sse, {**head, "choices": [choice]})
+                            continue
                         yield sse({**head, "choices": [choice]})
                 if body.stream_options and body.stream_options.include_usage:
                     yield sse({**head, "choices": [], "usage": usage(prompt_tokens.values(), completion)})
                 yield DONE
             return StreamingResponse(guarded(events()), media_type="text/event-stream")
 
-        choices, prompt_tokens = await ctx.collect(request, items, n)
+        choices, prompt_tokens = await ctx.collect(items, n)
 
         def response():
             def one(k, ch: Choice):
@@ -78,4 +80,4 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
             completion = sum(len(ch.token_ids) for ch in choices.values())
             return {**head, "choices": [one(k, ch) for k, ch in choices.items()],
                     "usage": usage(prompt_tokens, completion)}
-        return await engine.offload(response)
+        return await engine.offload(lambda: JSON(response()))       # rendered off the event loop too

@@ -7,6 +7,11 @@ q/k/v/o, dense MLP / shared-expert gate/up/down, GDN's input and output projecti
 in/out projections. Routed experts, routers, embeddings and lm_head are refused by name.
 Returned arrays are in the engine's [in, out] orientation, B already multiplied by the adapter's
 scale (lora_alpha / r, or / sqrt(r) with rslora), ranks zero-padded to `max_rank`.
+
+Everything is validated before an adapter is accepted, so a served adapter can never fail on the
+device: every tensor's shape against its base projection's (in, out) and the rank (read from the
+file's header, so an oversized file is refused before its data is read), floating dtype, finite
+values, known target modules. Any unreadable file (truncated, bad header, missing) is a LoRAError.
 """
 from __future__ import annotations
 
@@ -22,6 +27,8 @@ from safetensors import safe_open
 from ..config import ModelConfig
 from ..models import family
 
+_FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
+MAX_CONFIG_BYTES = 1 << 20             # adapter_config.json larger than this is refused unread
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
 
 
@@ -40,24 +47,34 @@ class LoRAAdapter:
 def adaptable(cfg: ModelConfig) -> dict[str, str]:
     """HF module name -> param key (the param's path joined by dots, e.g. 'layers.3.attn.q_proj'), for
     every projection a LoRA adapter may target."""
+    return {module: key for module, (key, _) in adaptable_shapes(cfg).items()}
+
+
+def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]:
+    """HF module name -> (param key, (in, out)) of every projection a LoRA adapter may target."""
     out = {}
     for spec in family(cfg.model_type).param_specs(cfg):
         name = spec.hf_names[0]
         if spec.kind == "linear" and len(spec.hf_names) == 1 and name.endswith(".weight") \
                 and spec.path[-1] not in ("router", "lm_head"):
-            out[name[:-len(".weight")]] = ".".join(map(str, spec.path))
+            n_out, n_in = spec.hf_shape
+            out[name[:-len(".weight")]] = (".".join(map(str, spec.path)), (n_in, n_out))
     return out
 
 
 def _config(path: str) -> dict:
     cfg_path = os.path.join(path, "adapter_config.json")
-    if not os.path.exists(cfg_path):
+    if not os.path.isfile(cfg_path):
         raise LoRAError(f"no adapter_config.json in {path}")
+    if os.path.getsize(cfg_path) > MAX_CONFIG_BYTES:
+        raise LoRAError(f"adapter_config.json in {path} is over {MAX_CONFIG_BYTES} bytes")
     try:
-        with open(cfg_path) as f:
+        with open(cfg_path, encoding="utf-8") as f:
             raw = json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LoRAError(f"adapter_config.json in {path} is not valid JSON: {e}") from None
+    if not isinstance(raw, dict):
+        raise LoRAError(f"adapter_config.json in {path} is not a JSON object")
     if raw.get("peft_type", "LORA") != "LORA":
         raise LoRAError(f"peft_type {raw.get('peft_type')!r} is not supported (only LORA)")
     for key, ok in (("use_dora", False), ("bias", "none"), ("modules_to_save", None)):
@@ -81,37 +98,60 @@ def _per_module(pattern: dict, module: str, default):
 
 
 def load_peft_adapter(path: str, cfg: ModelConfig, max_rank: int, name: str | None = None) -> LoRAAdapter:
+    """The adapter at `path`, validated completely (module docstring); LoRAError names what is wrong."""
+    try:
+        return _load(path, cfg, max_rank, name)
+    except LoRAError:
+        raise
+    except Exception as e:                      # noqa: BLE001 — unreadable files: safetensors, OS, numpy errors
+        raise LoRAError(f"adapter {path} cannot be read: {type(e).__name__}: {str(e)[:300]}") from None
+
+
+def _load(path: str, cfg: ModelConfig, max_rank: int, name: str | None) -> LoRAAdapter:
     raw = _config(path)
     r = int(raw["r"])
     scale = raw["lora_alpha"] / (math.sqrt(r) if raw.get("use_rslora") else r)
     file = os.path.join(path, "adapter_model.safetensors")
-    if not os.path.exists(file):
+    if not os.path.isfile(file):
         raise LoRAError(f"no adapter_model.safetensors in {path}")
-    targets = adaptable(cfg)
-    pairs: dict[str, dict] = {}
+    targets = adaptable_shapes(cfg)
+    weights = {}
     with safe_open(file, framework="np") as f:
+        modules: dict[str, dict] = {}
         for key in f.keys():
             m = _KEY.match(key)
             if m is None:
                 raise LoRAError(f"unexpected tensor {key!r} in {file}")
-            pairs.setdefault(m["module"], {})[m["ab"]] = f.get_tensor(key).astype(np.float32)
-    weights = {}
-    for module, ab in sorted(pairs.items()):
-        if module not in targets:
-            raise LoRAError(f"adapter targets {module!r}, which this engine cannot adapt "
-                            "(routed experts, routers, embeddings and lm_head are not supported)")
-        if set(ab) != {"A", "B"}:
-            raise LoRAError(f"adapter module {module!r} lacks lora_{'B' if 'A' in ab else 'A'}")
-        a, b = ab["A"], ab["B"]
-        rank = int(_per_module(raw.get("rank_pattern") or {}, module, r))
-        alpha = _per_module(raw.get("alpha_pattern") or {}, module, raw["lora_alpha"])
-        if a.shape[0] != rank or b.shape[1] != rank:
-            raise LoRAError(f"adapter module {module!r} has rank {a.shape[0]}, the config says {rank}")
-        if rank > max_rank:
-            raise LoRAError(f"adapter rank {rank} ({module!r}) exceeds max_lora_rank {max_rank}")
-        module_scale = alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank)
-        pad = max_rank - rank
-        weights[targets[module]] = (np.pad(a.T, ((0, 0), (0, pad))), np.pad(b.T * module_scale, ((0, pad), (0, 0))))
+            modules.setdefault(m["module"], {})[m["ab"]] = key
+        for module, keys in sorted(modules.items()):
+            if module not in targets:
+                raise LoRAError(f"adapter targets {module!r}, which this engine cannot adapt "
+                                "(routed experts, routers, embeddings and lm_head are not supported)")
+            if set(keys) != {"A", "B"}:
+                raise LoRAError(f"adapter module {module!r} lacks lora_{'B' if 'A' in keys else 'A'}")
+            param_key, (n_in, n_out) = targets[module]
+            rank = int(_per_module(raw.get("rank_pattern") or {}, module, r))
+            alpha = _per_module(raw.get("alpha_pattern") or {}, module, raw["lora_alpha"])
+            if rank > max_rank:
+                raise LoRAError(f"adapter rank {rank} ({module!r}) exceeds max_lora_rank {max_rank}")
+            for ab, want in (("A", (rank, n_in)), ("B", (n_out, rank))):
+                sl = f.get_slice(keys[ab])
+                shape, dtype = tuple(sl.get_shape()), sl.get_dtype()
+                if shape != want:
+                    raise LoRAError(f"adapter module {module!r}: lora_{ab} has shape {list(shape)}, this model "
+                                    f"needs {list(want)} (rank {rank}, base projection in {n_in}, out {n_out})")
+                if dtype not in _FLOAT_DTYPES:
+                    raise LoRAError(f"adapter module {module!r}: lora_{ab} has dtype {dtype}; floating point needed")
+            a, b = (f.get_tensor(keys[ab]).astype(np.float32) for ab in "AB")
+            for ab, t in (("A", a), ("B", b)):
+                if not np.isfinite(t).all():
+                    raise LoRAError(f"adapter module {module!r}: lora_{ab} holds NaN or infinite values")
+            module_scale = alpha / (math.sqrt(rank) if raw.get("use_rslora") else rank)
+            b_scaled = b.T * np.float32(module_scale)
+            if not np.isfinite(b_scaled).all():
+                raise LoRAError(f"adapter module {module!r}: lora_B times the scale {module_scale} overflows")
+            pad = max_rank - rank
+            weights[param_key] = (np.pad(a.T, ((0, 0), (0, pad))), np.pad(b_scaled, ((0, pad), (0, 0))))
     if not weights:
         raise LoRAError(f"adapter {path} has no LoRA tensors")
     return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), r, float(scale), weights)
