@@ -15,6 +15,12 @@ types, extreme numbers, lone surrogates, over-long prompts, an oversized chunked
 all be answered 4xx. Then it checks the engine went idle (every KV page free, nothing compiled), opens
 --drain-streams streams and sends SIGTERM: reports how each in-flight stream ended (finished,
 error event + [DONE], or cut), whether new requests got 503, the exit code and the drain time.
+
+--flood: one client (127.0.0.1) floods — --flood-streams long streams back to back and one maximal batch
+request (64 prompts x n at the per-request cap) — while a canary client from another address
+(127.0.0.2) sends short requests one after another and a prober polls /health every 50 ms. Reports the
+canary's latency p50 / p99 (target < 5 s), /health's p50 / p99 (target < 200 ms), the flood's answers by
+status (429 past its share), and whether the engine is still healthy after.
 """
 import argparse
 import asyncio
@@ -138,6 +144,60 @@ async def run(url, key, clients, duration, chaos=False):
             "first_errors": stats["errors"][:5]}
 
 
+async def flood(url, key, duration, streams):
+    """--flood (module docstring)."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    deadline = time.monotonic() + duration
+    statuses, canary, health = {}, [], []
+    long_body = {"prompt": "def f(x):", "n": 4, "max_tokens": 200, "stream": True, "ignore_eos": True}
+    batch_body = {"prompt": ["def f(x):"] * 64, "n": 4, "max_tokens": 200, "ignore_eos": True}
+
+    def count(status):
+        statuses[str(status)] = statuses.get(str(status), 0) + 1
+
+    async def flooder(http, body):
+        while time.monotonic() < deadline:
+            try:
+                async with http.stream("POST", f"{url}/v1/completions", json=body) as r:
+                    count(r.status_code)
+                    async for _ in r.aiter_lines():
+                        if time.monotonic() > deadline:
+                            break
+                    if r.status_code != 200:
+                        await asyncio.sleep(0.2)
+            except httpx.HTTPError as e:
+                count(type(e).__name__)
+
+    async def canary_client():
+        transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with httpx.AsyncClient(timeout=120, headers=headers, transport=transport) as http:
+            await asyncio.sleep(2.0)                     # the flood first
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                r = await http.post(f"{url}/v1/completions", json={"prompt": "def g(y):", "max_tokens": 8})
+                canary.append((time.monotonic() - t, r.status_code))
+                await asyncio.sleep(0.5)
+
+    async def prober():
+        async with httpx.AsyncClient(timeout=30) as http:
+            while time.monotonic() < deadline:
+                t = time.monotonic()
+                await http.get(f"{url}/health")
+                health.append(time.monotonic() - t)
+                await asyncio.sleep(0.05)
+
+    async with httpx.AsyncClient(timeout=300, headers=headers,
+                                 limits=httpx.Limits(max_connections=streams + 8)) as http:
+        await asyncio.gather(*(flooder(http, long_body) for _ in range(streams)), flooder(http, batch_body),
+                             canary_client(), prober())
+    ok = [t for t, st in canary if st == 200]
+    return {"flood_streams": streams, "duration_s": duration, "flood_status": statuses,
+            "canary_requests": len(canary), "canary_ok": len(ok), "canary_p50_s": pct(ok, 50),
+            "canary_p99_s": pct(ok, 99), "canary_max_s": round(max(ok), 3) if ok else None,
+            "health_p50_s": pct(health, 50), "health_p99_s": pct(health, 99),
+            "health_after": httpx.get(url + "/health").status_code}
+
+
 def server_metrics(url) -> dict:
     out = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
@@ -222,6 +282,8 @@ def main():
                     help="extra arguments for the started server")
     ap.add_argument("--chaos", action="store_true", help="early disconnects, malformed requests, SIGTERM at the end")
     ap.add_argument("--drain-streams", type=int, default=16, help="--chaos: streams in flight at the SIGTERM")
+    ap.add_argument("--flood", action="store_true", help="one client floods, a canary from another address is timed")
+    ap.add_argument("--flood-streams", type=int, default=260, help="--flood: the flooding client's concurrent streams")
     args = ap.parse_args()
     if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
         raise SystemExit("load tests run against loopback only")
@@ -241,7 +303,10 @@ def main():
             time.sleep(0.5)
     try:
         compiles = server_metrics(args.url).get("atlas_num_compiles")
-        result = asyncio.run(run(args.url, args.api_key, args.clients, args.duration, args.chaos))
+        if args.flood:
+            result = asyncio.run(flood(args.url, args.api_key, args.duration, args.flood_streams))
+        else:
+            result = asyncio.run(run(args.url, args.api_key, args.clients, args.duration, args.chaos))
         result["idle_after"] = wait_idle(args.url)
         result["idle_after"]["compiles_during_load"] = result["idle_after"].get("atlas_num_compiles", 0) - (compiles or 0)
         if args.chaos:

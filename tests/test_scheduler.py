@@ -288,15 +288,19 @@ def test_a_flooding_client_cannot_starve_another(llm, alone, fair):
         engine.step()
     canary = engine.add_request(PROMPTS[5], GREEDY, "canary", client="B" if fair else "A")
     before = engine.scheduler.num_preemptions["fairness"]
-    steps = _steps_until_done(engine, canary)
-    assert canary.seqs[0].output_ids == alone[5]
-    if fair:
-        assert steps <= GREEDY.max_tokens + 4, steps
-        assert engine.scheduler.num_preemptions["fairness"] > before
-    else:
-        assert steps > 2 * flood_params.max_tokens, steps        # it queued behind the flood
-    while engine.has_unfinished():
-        engine.step()
+    try:
+        steps = _steps_until_done(engine, canary)
+        assert canary.seqs[0].output_ids == alone[5]
+        if fair:
+            assert steps <= GREEDY.max_tokens + 4, steps
+            assert engine.scheduler.num_preemptions["fairness"] > before
+        else:
+            assert steps > 2 * flood_params.max_tokens, steps        # it queued behind the flood
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        for rid in list(engine.requests):                           # a failed check leaves the engine clean
+            engine.abort(rid)
     full = {i: llm.generate(PROMPTS[i], flood_params)[0].outputs[0].token_ids for i in range(4)}
     for i, req in enumerate(flood):
         assert req.seqs[0].output_ids == full[i % 4], i

@@ -40,6 +40,7 @@ class ScriptedEngine:
         stats = {"running": 0, "waiting": 0, "swapped": 0, "free_pages": 1, "free_slots": 1, "num_failed_requests": 0,
                  "num_compiles": 0, "num_aborted": {}}
         self.engine = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size),
+                                            max_model_len=4096,
                                             num_pages=1, slots=types.SimpleNamespace(capacity=1), stats=lambda: stats,
                                             speculative=None, prefix_cache=None)
         self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
@@ -51,7 +52,7 @@ class ScriptedEngine:
     def abort_nowait(self, request_id, reason="abort"):
         pass
 
-    async def add_request_async(self, prompt, params, request_id=None, lora_request=None):
+    async def add_request_async(self, prompt, params, request_id=None, lora_request=None, client=None):
         self.prompts.append(prompt)
         text, queue = self.replies.pop(0), asyncio.Queue()
         prompt_ids = self.tokenizer.encode(prompt)

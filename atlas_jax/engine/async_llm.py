@@ -134,8 +134,8 @@ class AsyncLLM:
         return req, stream
 
     async def generate(self, prompt, params: SamplingParams, request_id: str | None = None,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
-        req, stream = await self.add_request_async(prompt, params, request_id, lora_request)
+                       lora_request=None, client: str | None = None) -> AsyncIterator[RequestOutput]:
+        req, stream = await self.add_request_async(prompt, params, request_id, lora_request, client)
         finished = False
         try:
             while True:
