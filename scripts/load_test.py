@@ -198,9 +198,10 @@ async def flood(url, key, duration, streams):
             "health_after": httpx.get(url + "/health").status_code}
 
 
-def server_metrics(url) -> dict:
+def server_metrics(url, key=None) -> dict:
     out = {}
-    for line in httpx.get(url + "/metrics").text.splitlines():
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    for line in httpx.get(url + "/metrics", headers=headers).text.splitlines():
         if line.startswith(("atlas_num_compiles ", "atlas_free_kv_pages ", "atlas_kv_pages ", "atlas_running_requests ",
                             "atlas_waiting_requests ")):
             name, value = line.split()
@@ -208,11 +209,11 @@ def server_metrics(url) -> dict:
     return out
 
 
-def wait_idle(url, timeout=30.0) -> dict:
+def wait_idle(url, key=None, timeout=30.0) -> dict:
     """Metrics once nothing runs or waits and every KV page is free (or at the timeout)."""
     end = time.monotonic() + timeout
     while True:
-        m = server_metrics(url)
+        m = server_metrics(url, key)
         idle = (m.get("atlas_running_requests") == 0 and m.get("atlas_waiting_requests") == 0
                 and m.get("atlas_free_kv_pages") == m.get("atlas_kv_pages"))
         if idle or time.monotonic() > end:
@@ -252,7 +253,7 @@ async def sigterm_with_streams(url, key, proc, n_streams):
                                  limits=httpx.Limits(max_connections=n_streams + 8)) as http:
         tasks = [asyncio.create_task(one(http)) for _ in range(n_streams)]
         for _ in range(1200):
-            m = await asyncio.to_thread(server_metrics, url)
+            m = await asyncio.to_thread(server_metrics, url, key)
             if m["atlas_running_requests"] + m["atlas_waiting_requests"] >= n_streams:
                 break
             await asyncio.sleep(0.05)
@@ -302,12 +303,12 @@ def main():
                 pass
             time.sleep(0.5)
     try:
-        compiles = server_metrics(args.url).get("atlas_num_compiles")
+        compiles = server_metrics(args.url, args.api_key).get("atlas_num_compiles")
         if args.flood:
             result = asyncio.run(flood(args.url, args.api_key, args.duration, args.flood_streams))
         else:
             result = asyncio.run(run(args.url, args.api_key, args.clients, args.duration, args.chaos))
-        result["idle_after"] = wait_idle(args.url)
+        result["idle_after"] = wait_idle(args.url, args.api_key)
         result["idle_after"]["compiles_during_load"] = result["idle_after"].get("atlas_num_compiles", 0) - (compiles or 0)
         if args.chaos:
             result["shutdown"] = asyncio.run(sigterm_with_streams(args.url, args.api_key, proc, args.drain_streams))

@@ -175,7 +175,7 @@ def test_tokenize_detokenize(server, default_llm):
 
 
 def _metric(server, name):
-    text = httpx.get(server[0] + "/metrics").text
+    text = httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text   # keyed like the rest
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[1])
@@ -207,7 +207,7 @@ def test_disconnect_mid_stream_frees_pages(server):
         time.sleep(0.1)
     assert _metric(server, "atlas_free_kv_pages") == _metric(server, "atlas_kv_pages")
     assert _metric(server, "atlas_num_compiles") > 0
-    assert "atlas_time_to_first_token_seconds_bucket" in httpx.get(server[0] + "/metrics").text
+    assert "atlas_time_to_first_token_seconds_bucket" in httpx.get(server[0] + "/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
 
 
 def test_timeout_and_engine_failure_in_process(default_llm):

@@ -43,6 +43,8 @@ fails that request) and never raised out of `schedule`.
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import math
 from collections import Counter, deque
 
@@ -211,7 +213,14 @@ class Scheduler:
         if not self.waiting or self.swapped:
             return
         order = self._admission_order()
-        self._preempt_for_fairness(order, chosen)
+        if len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
+            seen = []                                     # the first admissible waiting sequence, for fairness
+            for seq in order:
+                seen.append(seq)
+                if seq.fork_leader is None or seq.fork_leader.fork_ready:
+                    self._preempt_for_fairness(seq, chosen)
+                    break
+            order = itertools.chain(seen, order)
         adapters_blocked = False
         for seq in order:
             if self.swapped or len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
@@ -252,33 +261,34 @@ class Scheduler:
             self._insert_running(seq)
             chosen[seq] = n
 
-    def _admission_order(self) -> list[Sequence]:
-        """Waiting sequences in the order admission considers them: clients interleaved, the one with the
-        fewest running (then admitted in this order) first; each client's own in queue order."""
-        if all(s.client == self.waiting[0].client for s in self.waiting):
-            return list(self.waiting)
+    def _admission_order(self):
+        """Waiting sequences (a generator, consumed as far as admission goes) in the order admission
+        considers them: clients interleaved, the one with the fewest running (counting those already
+        yielded) first; each client's own in queue order."""
+        first = self.waiting[0].client
+        if all(s.client == first for s in self.waiting):
+            yield from list(self.waiting)
+            return
         queues: dict[str | None, deque] = {}
         for s in self.waiting:
             queues.setdefault(s.client, deque()).append(s)
         load = Counter(s.client for s in self.running)
-        order = []
-        while queues:
-            client = min(queues, key=lambda c: (load[c], queues[c][0].order))
-            order.append(queues[client].popleft())
-            load[client] += 1
-            if not queues[client]:
-                del queues[client]
-        return order
+        heap = [(load[c], q[0].order, c) for c, q in queues.items()]      # orders are unique: no ties on c
+        heapq.heapify(heap)
+        while heap:
+            n, _, client = heapq.heappop(heap)
+            queue = queues[client]
+            yield queue.popleft()
+            if queue:
+                heapq.heappush(heap, (n + 1, queue[0].order, client))
 
-    def _preempt_for_fairness(self, order: list[Sequence], chosen: dict) -> None:
-        """Every slot taken: free one for the first waiting client below its share, from the client
-        running the most sequences above it (its least-progress sequence, by recompute)."""
-        if len(self.running) < self.config.max_num_seqs and self.slots.num_free:
-            return
-        head = next((s for s in order if s.fork_leader is None or s.fork_leader.fork_ready), None)
-        if head is None:
-            return
+    def _preempt_for_fairness(self, head: Sequence, chosen: dict) -> None:
+        """Every slot taken and `head` (the first admissible waiting sequence) from a client below its
+        share: free a slot from the client running the most sequences above it (its least-progress
+        sequence, by recompute)."""
         load = Counter(s.client for s in self.running)
+        if not load:
+            return
         share = max(1, self.config.max_num_seqs // len(set(load) | {s.client for s in self.waiting}))
         heavy, most = max(load.items(), key=lambda kv: kv[1])
         if load[head.client] >= share or most <= share or heavy == head.client:
