@@ -145,10 +145,11 @@ async def run(url, key, clients, duration, chaos=False):
 
 
 async def flood(url, key, duration, streams):
-    """--flood (module docstring)."""
+    """--flood (module docstring). The canary and the /health prober run in a child process (its own
+    event loop and GIL), so the flood's client-side work does not inflate what they measure."""
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     deadline = time.monotonic() + duration
-    statuses, canary, health = {}, [], []
+    statuses = {}
     long_body = {"prompt": "def f(x):", "n": 4, "max_tokens": 200, "stream": True, "ignore_eos": True}
     batch_body = {"prompt": ["def f(x):"] * 64, "n": 4, "max_tokens": 200, "ignore_eos": True}
 
@@ -168,10 +169,28 @@ async def flood(url, key, duration, streams):
             except httpx.HTTPError as e:
                 count(type(e).__name__)
 
+    probe = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--url", url, *(["--api-key", key] if key else []), "--probe-for",
+        str(duration - 2.0), stdout=asyncio.subprocess.PIPE)
+    async with httpx.AsyncClient(timeout=300, headers=headers,
+                                 limits=httpx.Limits(max_connections=streams + 8)) as http:
+        await asyncio.gather(*(flooder(http, long_body) for _ in range(streams)), flooder(http, batch_body))
+    measured = json.loads((await probe.communicate())[0])
+    return {"flood_streams": streams, "duration_s": duration, "flood_status": statuses, **measured,
+            "health_after": httpx.get(url + "/health").status_code}
+
+
+async def probe(url, key, duration):
+    """--probe-for: after 2 s, a canary from 127.0.0.2 sends short completions one after another and
+    /health is polled every 50 ms, for `duration` seconds; their latencies."""
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    canary, health = [], []
+    await asyncio.sleep(2.0)                             # the flood first
+    deadline = time.monotonic() + duration
+
     async def canary_client():
         transport = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
         async with httpx.AsyncClient(timeout=120, headers=headers, transport=transport) as http:
-            await asyncio.sleep(2.0)                     # the flood first
             while time.monotonic() < deadline:
                 t = time.monotonic()
                 r = await http.post(f"{url}/v1/completions", json={"prompt": "def g(y):", "max_tokens": 8})
@@ -186,16 +205,12 @@ async def flood(url, key, duration, streams):
                 health.append(time.monotonic() - t)
                 await asyncio.sleep(0.05)
 
-    async with httpx.AsyncClient(timeout=300, headers=headers,
-                                 limits=httpx.Limits(max_connections=streams + 8)) as http:
-        await asyncio.gather(*(flooder(http, long_body) for _ in range(streams)), flooder(http, batch_body),
-                             canary_client(), prober())
+    await asyncio.gather(canary_client(), prober())
     ok = [t for t, st in canary if st == 200]
-    return {"flood_streams": streams, "duration_s": duration, "flood_status": statuses,
-            "canary_requests": len(canary), "canary_ok": len(ok), "canary_p50_s": pct(ok, 50),
+    return {"canary_requests": len(canary), "canary_ok": len(ok), "canary_p50_s": pct(ok, 50),
             "canary_p99_s": pct(ok, 99), "canary_max_s": round(max(ok), 3) if ok else None,
-            "health_p50_s": pct(health, 50), "health_p99_s": pct(health, 99),
-            "health_after": httpx.get(url + "/health").status_code}
+            "health_probes": len(health), "health_p50_s": pct(health, 50), "health_p99_s": pct(health, 99),
+            "health_max_s": round(max(health), 3) if health else None}
 
 
 def server_metrics(url, key=None) -> dict:
@@ -285,7 +300,11 @@ def main():
     ap.add_argument("--drain-streams", type=int, default=16, help="--chaos: streams in flight at the SIGTERM")
     ap.add_argument("--flood", action="store_true", help="one client floods, a canary from another address is timed")
     ap.add_argument("--flood-streams", type=int, default=260, help="--flood: the flooding client's concurrent streams")
+    ap.add_argument("--probe-for", type=float, default=None, help=argparse.SUPPRESS)    # --flood's child process
     args = ap.parse_args()
+    if args.probe_for is not None:
+        print(json.dumps(asyncio.run(probe(args.url, args.api_key, args.probe_for))))
+        return
     if not args.url.startswith(("http://127.0.0.1", "http://localhost")):
         raise SystemExit("load tests run against loopback only")
     if args.chaos and not args.start:

@@ -154,6 +154,7 @@ def test_an_adapter_changed_on_disk_after_eviction_fails_only_its_requests(qwen3
     request naming it is refused (AdapterUnavailableError), re-validated off the engine, and the engine
     goes on serving the base model and the other adapters with their exact tokens; repaired files serve
     again."""
+    import os
     import shutil
 
     from atlas_jax.engine.lora import AdapterUnavailableError
@@ -171,6 +172,13 @@ def test_an_adapter_changed_on_disk_after_eviction_fails_only_its_requests(qwen3
     weights.write_bytes(good[:len(good) // 2])
     with pytest.raises(AdapterUnavailableError, match="could not be reloaded"):
         llm.generate(prompts[0], GREEDY, lora_request="x")
+    config = tmp_path / "x" / "adapter_config.json"
+    good_config = config.read_bytes()
+    for f in (weights, config):                               # a valid adapter, but not the one registered
+        shutil.copy(os.path.join(reqs["a"].lora_path, f.name), f)
+    with pytest.raises(AdapterUnavailableError, match="changed on disk"):
+        llm.generate(prompts[0], GREEDY, lora_request="x")
+    config.write_bytes(good_config)
     outs = llm.generate([prompts[2], prompts[2]], GREEDY, lora_request=[None, reqs["a"]])
     assert [o.outputs[0].token_ids for o in outs] == [refs[None][2], refs["a"][2]]
     weights.write_bytes(good)

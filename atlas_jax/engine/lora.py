@@ -12,8 +12,8 @@ Adapters are registered by name (LoRARequest, the server's --lora-modules, /v1/l
 read from disk and validated completely when registered (weights/lora.py) and kept in an LRU host
 cache of max_cpu_loras adapters; an adapter that requests in the engine use is never dropped from it.
 One dropped earlier is read and validated again by the next request that names it, on that request's
-thread (`lookup`), never on the engine thread: a reload that fails refuses that request
-(AdapterUnavailableError), nothing else. A device slot update that fails leaves the slot table as it
+thread (`lookup`), never on the engine thread: a reload that fails, or finds files other than those
+registered (their sha256), refuses that request (AdapterUnavailableError), nothing else. A device slot update that fails leaves the slot table as it
 was and fails only the sequence that asked (`acquire` raises; the scheduler contains it). Each
 registration gets a fresh `uid`, the sequence's prefix-cache key: KV computed under one adapter is
 never reused under another, nor under the same name re-registered from other files.
@@ -64,6 +64,7 @@ class AdapterUnavailableError(RequestFailedError):
 class _Registered:
     request: LoRARequest
     uid: int                           # prefix-cache key of sequences under this registration
+    digest: str = ""                   # its files' hash when registered (a reload must match it)
     in_use: int = 0                    # requests in the engine that name it
 
 
@@ -105,7 +106,7 @@ class LoRAManager:
         with self._lock:
             if known is not None:
                 self._forget(known)
-            entry = self._registry[req.lora_name] = _Registered(req, next(self._uids))
+            entry = self._registry[req.lora_name] = _Registered(req, next(self._uids), adapter.digest)
             self._cache(entry.uid, adapter)
             return entry.uid
 
@@ -231,6 +232,9 @@ class LoRAManager:
         except LoRAError as e:
             raise AdapterUnavailableError(f"adapter {name!r} could not be reloaded from {entry.request.lora_path}: "
                                           f"{e}") from None
+        if adapter.digest != entry.digest:
+            raise AdapterUnavailableError(f"adapter {name!r} changed on disk since it was loaded; unload and load it "
+                                          "again to serve the new files")
         with self._lock:
             if self._registry.get(name) is entry:
                 self._cache(uid, adapter)

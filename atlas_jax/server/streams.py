@@ -115,7 +115,7 @@ class ServerContext:
         if total + k > self.max_waiting:
             share = max(1, self.max_waiting // len({c for c, n in self.in_flight.items() if n > 0} | {client}))
             if mine + k > share:
-                raise APIError(429, f"the server is at capacity and this client holds {mine} of its {total} requests "
+                raise APIError(429, f"the server is at capacity and this client holds {mine} of the {total} requests "
                                "in flight; retry when some finish", "rate_limit_exceeded", code="rate_limit_exceeded",
                                headers={"Retry-After": "1"})
             if total + k > self.max_waiting + self.max_waiting // 2:
@@ -234,44 +234,51 @@ class ServerContext:
         async def items():
             last = time.monotonic()
             pending = [first] if first is not None else []
-            while True:
-                if pending:
-                    item = pending.pop()
-                else:
-                    try:
-                        item = await gen.__anext__()
-                    except StopAsyncIteration:
-                        return
-                now = time.monotonic()
-                self.metrics.itl.observe(now - last)
-                last = now
-                self.metrics.observe(item[1])
-                yield item
+            try:
+                while True:
+                    if pending:
+                        item = pending.pop()
+                    else:
+                        try:
+                            item = await gen.__anext__()
+                        except StopAsyncIteration:
+                            return
+                    now = time.monotonic()
+                    self.metrics.itl.observe(now - last)
+                    last = now
+                    self.metrics.observe(item[1])
+                    yield item
+            finally:
+                await gen.aclose()                    # a consumer that stops early aborts what is left now
         return items()
 
     async def until_disconnect(self, request, items):
-        """`items` for a non-streaming response, ended early when the client goes away (closing it
-        aborts the requests): nobody is left to read the answer."""
+        """`items`, ended early when the client goes away (closing it aborts the requests): nobody is left
+        to read the answer. Checked every DISCONNECT_POLL_S while waiting for the next item."""
         it = items.__aiter__()
         checked = time.monotonic()
-        while True:
-            nxt = asyncio.ensure_future(it.__anext__())
+        nxt = None
+        try:
             while True:
-                done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
-                if time.monotonic() - checked >= DISCONNECT_POLL_S:
-                    checked = time.monotonic()
-                    if await request.is_disconnected():
-                        nxt.cancel()
-                        await asyncio.gather(nxt, return_exceptions=True)      # its generator unwinds: aborts
-                        await it.aclose()
-                        raise APIError(499, "client disconnected", "client_closed_request")
-                if done:
-                    break
-            try:
-                item = nxt.result()
-            except StopAsyncIteration:
-                return
-            yield item
+                nxt = asyncio.ensure_future(it.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=DISCONNECT_POLL_S)
+                    if time.monotonic() - checked >= DISCONNECT_POLL_S:
+                        checked = time.monotonic()
+                        if await request.is_disconnected():
+                            raise APIError(499, "client disconnected", "client_closed_request")
+                    if done:
+                        break
+                try:
+                    item = nxt.result()
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            if nxt is not None and not nxt.done():
+                nxt.cancel()
+                await asyncio.gather(nxt, return_exceptions=True)      # its generator unwinds: aborts
+            await it.aclose()
 
     async def collect(self, items, n: int) -> tuple[dict[int, Choice], list]:
         """A non-streaming response's choices (index = prompt index * n + completion index) and its

@@ -16,6 +16,7 @@ values, known target modules. Any unreadable file (truncated, bad header, missin
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -42,6 +43,7 @@ class LoRAAdapter:
     rank: int                         # the adapter's own r (<= the engine's max rank)
     scale: float                      # lora_alpha / r (or / sqrt(r)); rank_pattern / alpha_pattern modules differ
     weights: dict                     # param key -> (A [in, R], B [R, out] * scale), float32, R = max rank
+    digest: str = ""                  # sha256 of its two files: a reload serves the same adapter or nothing
 
 
 def adaptable(cfg: ModelConfig) -> dict[str, str]:
@@ -154,4 +156,8 @@ def _load(path: str, cfg: ModelConfig, max_rank: int, name: str | None) -> LoRAA
             weights[param_key] = (np.pad(a.T, ((0, 0), (0, pad))), np.pad(b_scaled, ((0, pad), (0, 0))))
     if not weights:
         raise LoRAError(f"adapter {path} has no LoRA tensors")
-    return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), r, float(scale), weights)
+    digest = hashlib.sha256()
+    for part in (os.path.join(path, "adapter_config.json"), file):
+        with open(part, "rb") as f:
+            digest.update(hashlib.file_digest(f, "sha256").digest())
+    return LoRAAdapter(name or os.path.basename(os.path.normpath(path)), r, float(scale), weights, digest.hexdigest())
