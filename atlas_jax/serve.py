@@ -7,9 +7,10 @@ compiles every step shape first, and /health answers 503 (Retry-After) until tha
 Access: with --api-key every route but /health needs the key (/metrics too unless --public-metrics);
 bound to a loopback address, only loopback Host names are served (--allowed-hosts); POST bodies must
 be JSON; adapters load / unload at runtime only with --allow-runtime-lora-updating.
-Connections: request headers must arrive within --header-timeout seconds; an idle keep-alive
-connection closes after --timeout-keep-alive seconds; past --max-connections open connections a new
-one gets 503. Fairness: --max-seqs-per-request and --max-request-tokens cap one request,
+Connections: request headers must arrive within --header-timeout seconds and bodies within
+--body-timeout (408); an idle keep-alive connection closes after --timeout-keep-alive seconds; past
+--max-connections open connections (or --max-connections-per-client from one address) a new one gets 503.
+Fairness: --max-seqs-per-request and --max-request-tokens cap one request,
 --max-requests-per-client caps one client's requests in flight (429), and the engine admits waiting
 requests client by client (a client = its API key when several are given, else its address).
 SIGINT / SIGTERM: drain — new requests get 503 + Retry-After (and /health 503), requests in flight
@@ -66,6 +67,10 @@ def parse_args(argv=None):
                     "stays open (default 5)")
     ap.add_argument("--max-connections", type=int, default=None, help="open connections before a new one gets 503 "
                     "(default: 1024, within the open-file limit)")
+    ap.add_argument("--max-connections-per-client", type=int, default=None, help="open connections from one address "
+                    "before its next one gets 503 (default: half of --max-connections)")
+    ap.add_argument("--body-timeout", type=float, default=30.0, help="seconds a request body may take to arrive "
+                    "after its headers before the request is refused with 408 (default 30)")
     ap.add_argument("--max-body-bytes", type=int, default=1 << 22, help="largest request body (default 4 MiB); "
                     "larger ones are refused with 413 while being read")
     ap.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds requests in flight may take to "
@@ -135,15 +140,17 @@ def main(argv=None) -> None:
                     allowed_hosts=args.allowed_hosts or default_allowed_hosts(args.host),
                     allow_runtime_lora_updating=args.allow_runtime_lora_updating,
                     max_requests_per_client=args.max_requests_per_client,
-                    max_seqs_per_request=args.max_seqs_per_request, max_request_tokens=args.max_request_tokens)
+                    max_seqs_per_request=args.max_seqs_per_request, max_request_tokens=args.max_request_tokens,
+                    body_timeout=args.body_timeout)
     fd_limit = raise_fd_limit()
     max_connections = args.max_connections or max(16, min(1024, fd_limit - 128))
+    per_client = args.max_connections_per_client or max(1, max_connections // 2)
 
     logging.getLogger("atlas_jax").info("serving %s on http://%s:%d (warming up; /health is 503 until ready)",
                                         name, args.host, args.port)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=5, timeout_keep_alive=args.timeout_keep_alive,
-                            http=protocol_class(args.header_timeout, max_connections))
+                            http=protocol_class(args.header_timeout, max_connections, per_client))
     server = _DrainingServer(config, engine, args.shutdown_timeout)
     try:
         server.run()          # returns after the drain that SIGINT / SIGTERM starts

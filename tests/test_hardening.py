@@ -37,9 +37,10 @@ def engine(default_llm):
 
 @contextlib.contextmanager
 def server(engine, http=None, **kw):
-    """The app over `engine` on a loopback port; yields its base URL."""
+    """The app over `engine` on a loopback port; yields its base URL (the app: `server.app`)."""
     config = {"http": http} if http is not None else {}
-    with serving(build_app(engine, served_model_name="tiny", **kw), **config) as port:
+    server.app = build_app(engine, served_model_name="tiny", **kw)
+    with serving(server.app, **config) as port:
         yield f"http://127.0.0.1:{port}"
 
 
@@ -83,11 +84,26 @@ def test_every_route_but_health_needs_the_key(engine):
         error(httpx.get(base + "/v1/models"), 401)
 
 
-def test_several_keys_are_several_clients(engine):
-    with server(engine, api_key=["k1", "k2"], max_requests_per_client=0) as base:
-        for key in ("k1", "k2"):
-            assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+def test_several_keys_are_several_clients(engine, default_llm):
+    """Two keys from one address are two clients: each may hold its one request in flight; a second
+    request on k1 is 429 while k2's first is admitted."""
+    with server(engine, api_key=["k1", "k2"], max_requests_per_client=1) as base, stalled(default_llm):
         error(httpx.get(base + "/v1/models", headers={"Authorization": "Bearer k3"}), 401)
+        socks = [_raw_request(base, b'{"prompt": "x", "max_tokens": 2}', key=key) for key in ("k1", "k2")]
+        end = time.monotonic() + 10
+        while engine.num_in_flight < 2 and time.monotonic() < end:
+            time.sleep(0.02)
+        assert engine.num_in_flight == 2 and dict(server.app.state.ctx.in_flight) == {"key:0": 1, "key:1": 1}
+        r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "Bearer k1"}, timeout=10)
+        assert error(r, 429)["code"] == "rate_limit_exceeded"
+        for s in socks:
+            s.close()
+        end = time.monotonic() + 5
+        while server.app.state.ctx.in_flight and time.monotonic() < end:
+            time.sleep(0.02)
+        assert not server.app.state.ctx.in_flight
+    assert idle(engine, default_llm)
 
 
 def test_posts_must_be_json_and_hosts_allowed(engine):
@@ -114,8 +130,10 @@ def test_default_allowed_hosts():
 
 # ---- caps and fairness -----------------------------------------------------------------------------
 def test_per_request_caps(engine):
-    with server(engine, max_seqs_per_request=8, max_request_tokens=100) as base, \
+    with server(engine, max_seqs_per_request=8, max_request_tokens=100, max_requests_per_client=2) as base, \
             httpx.Client(base_url=base, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "max_tokens": 2})   # never admissible: 400
+        assert "at most 2 requests in flight" in error(r, 400)["message"] and r.json()["error"]["param"] == "prompt"
         r = c.post("/v1/completions", json={"prompt": ["a", "b", "c"], "n": 3, "max_tokens": 2})
         assert "9 sequences" in error(r, 400)["message"] and r.json()["error"]["param"] == "n"
         r = c.post("/v1/completions", json={"prompt": ["a", "b"], "n": 2, "max_tokens": 30})
@@ -137,10 +155,11 @@ def stalled(default_llm):
         del core.step
 
 
-def _raw_request(base, body: bytes, path="/v1/completions") -> socket.socket:
+def _raw_request(base, body: bytes, path="/v1/completions", key=None) -> socket.socket:
     host, port = base.rsplit("/", 1)[1].split(":")
     s = socket.create_connection((host, int(port)))
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n{auth}"
               f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
     return s
 
@@ -152,8 +171,8 @@ def test_per_client_cap_is_429_and_clients_that_leave_while_queued_are_aborted(e
     with server(engine, max_requests_per_client=6) as base, stalled(default_llm):
         socks = [_raw_request(base, b'{"prompt": "def f(x):", "max_tokens": 8, "stream": %s}' % s)
                  for s in (b"true", b"false") * 3]
-        end = time.monotonic() + 10
-        while engine.num_in_flight < 6 and time.monotonic() < end:
+        end = time.monotonic() + 10                  # streams registered, then queued by the engine thread
+        while (engine.num_in_flight < 6 or len(default_llm.engine.requests) < 6) and time.monotonic() < end:
             time.sleep(0.02)
         assert engine.num_in_flight == 6 and len(default_llm.engine.requests) == 6
         r = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
@@ -164,6 +183,7 @@ def test_per_client_cap_is_429_and_clients_that_leave_while_queued_are_aborted(e
         while (engine.num_in_flight or default_llm.engine.requests) and time.monotonic() - t < 2.0:
             time.sleep(0.02)
         assert engine.num_in_flight == 0 and not default_llm.engine.requests, time.monotonic() - t
+        assert not server.app.state.ctx.in_flight                 # the client's places were given back
     assert idle(engine, default_llm)
 
 
@@ -226,9 +246,11 @@ def test_slowloris_sockets_are_closed_and_connections_capped(engine):
             s.sendall(b"GET /health HTTP/1.1\r\n")
             s.settimeout(5)
             assert s.recv(100) == b""
-        # at the cap a new connection gets 503 at once
+        # at the cap a new connection gets 503 at once, even one that has sent its request already
         held = [socket.create_connection((host, port)) for _ in range(4)]
         extra = socket.create_connection((host, port))
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        time.sleep(0.1)
         extra.settimeout(5)
         reply = extra.recv(4096)
         assert reply.startswith(b"HTTP/1.1 503") and b"too many open connections" in reply
@@ -236,6 +258,29 @@ def test_slowloris_sockets_are_closed_and_connections_capped(engine):
             s.close()
         time.sleep(0.2)
         assert httpx.get(base + "/health", timeout=10).status_code == 200
+
+
+def test_one_address_cannot_hold_every_connection_and_slow_bodies_time_out(engine):
+    with server(engine, http=protocol_class(None, 10, max_connections_per_client=3), body_timeout=0.5) as base:
+        host, port = base.rsplit("/", 1)[1].split(":")
+        port = int(port)
+        held = [socket.create_connection((host, port)) for _ in range(3)]
+        extra = socket.create_connection((host, port))
+        extra.settimeout(5)
+        assert extra.recv(4096).startswith(b"HTTP/1.1 503")
+        other = httpx.Client(base_url=base, timeout=10, transport=httpx.HTTPTransport(local_address="127.0.0.2"))
+        assert other.get("/health").status_code == 200            # another address still gets in
+        for s in held + [extra]:
+            s.close()
+        time.sleep(0.2)
+        with socket.create_connection((host, port)) as s:           # a body that never completes: 408
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"prompt\": ")
+            s.settimeout(5)
+            t = time.monotonic()
+            reply = s.recv(4096)
+            assert reply.startswith(b"HTTP/1.1 408") and time.monotonic() - t < 3, reply
+        assert other.post("/tokenize", json={"prompt": "hi"}).status_code == 200    # bodies in time are fine
 
 
 # ---- prompt_logprobs off the event loop -------------------------------------------------------------

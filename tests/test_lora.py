@@ -201,7 +201,11 @@ def test_damaged_adapters_are_refused_at_load(ckpt_dir, tmp_path):
         data = open(f, "rb").read()
         open(f, "wb").write(data[:len(data) - 100])
     refused("truncated", {module: (a, b)}, "cannot be read", damage=truncate)
-    refused("garbage", {module: (a, b)}, "cannot be read", damage=lambda f: open(f, "wb").write(b"\xff" * 64))
-    refused("empty", {module: (a, b)}, "cannot be read", damage=lambda f: open(f, "wb").close())
+    refused("garbage", {module: (a, b)}, "bad header length", damage=lambda f: open(f, "wb").write(b"\xff" * 64))
+    refused("empty", {module: (a, b)}, "not a safetensors file", damage=lambda f: open(f, "wb").close())
+    refused("not json", {module: (a, b)}, "header that is not JSON",
+            damage=lambda f: open(f, "wb").write((16).to_bytes(8, "little") + b"\xff" * 16))
     huge = rng.standard_normal((4, n_in * 64)).astype(np.float32)       # refused from the header's shape
     refused("huge", {module: (huge, b)}, "lora_A has shape")
+    refused("oversized", {module: (a, b)}, r"bytes; an adapter of rank <= 8 for this model has at most",
+            damage=lambda f: open(f, "ab").write(bytes(4 << 20)))

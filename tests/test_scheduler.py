@@ -293,7 +293,7 @@ def test_a_flooding_client_cannot_starve_another(llm, alone, fair):
         assert canary.seqs[0].output_ids == alone[5]
         if fair:
             assert steps <= GREEDY.max_tokens + 4, steps
-            assert engine.scheduler.num_preemptions["fairness"] > before
+            assert engine.scheduler.num_preemptions["fairness"] == before + 1        # one victim, no thrash
         else:
             assert steps > 2 * flood_params.max_tokens, steps        # it queued behind the flood
         while engine.has_unfinished():

@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import weakref
 
 import numpy as np
 
@@ -44,6 +45,7 @@ class Request:
         self._sent = [(0, 0)] * len(seqs)      # (text chars, tokens) already streamed per sequence (delta kind)
         self.error: str | None = None
         self.prompt_logprobs: list | None = None
+        self.lora_pin = None                   # weakref.finalize releasing its adapter's host-copy pin
 
     @property
     def finished(self) -> bool:
@@ -176,7 +178,18 @@ class EngineCore:
         sent it (the scheduler admits clients fairly); None: the one anonymous client."""
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        lora = self._lookup_lora(lora_request, params)
+        lora = self._lookup_lora(lora_request, params)           # pins the adapter's host copy
+        try:
+            req = self._make_request(prompt, params, request_id, lora, client)
+        except BaseException:
+            if lora is not None:
+                self.lora.unpin(*lora)
+            raise
+        if lora is not None:                                     # unpinned when it leaves the engine, or
+            req.lora_pin = weakref.finalize(req, self.lora.unpin, *lora)   # when it is dropped unsubmitted
+        return req
+
+    def _make_request(self, prompt, params: SamplingParams, request_id, lora, client) -> Request:
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         text, ids = self.encode(prompt)
         if not ids:
@@ -295,6 +308,7 @@ class EngineCore:
         whose own step raises fails alone (finish_reason "error", `Request.error`); the rest make
         their progress. Only a failure that consumed the donated state is raised (the engine is
         then dead). Host work after the device ran is contained per row (`_contain`)."""
+        self.step_requests = []
         plan = self.scheduler.schedule()
         failed = self._scheduler_failures(plan)
         self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
@@ -397,9 +411,12 @@ class EngineCore:
         return list(touched.values())
 
     def _retired(self, req: Request) -> None:
-        """req left the engine (finished or aborted): its adapter may be unloaded again."""
+        """req left the engine (finished or aborted): its adapter may be unloaded again (and its host copy
+        dropped from the cache)."""
         if req.lora is not None:
             self.lora.done(req.lora[0])
+            if req.lora_pin is not None:
+                req.lora_pin()                                   # a finalize runs its callback once
 
     def row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
         """seq's next n tokens as a row; `fed` = tokens the row will really feed (n + drafts)."""

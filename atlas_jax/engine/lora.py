@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import logging
 import threading
 
 import numpy as np
@@ -31,6 +32,8 @@ from ..config import ModelConfig
 from ..layers.lora import param_at
 from ..weights.lora import LoRAAdapter, LoRAError, adaptable, load_peft_adapter
 from .errors import InvalidRequestError, RequestFailedError
+
+log = logging.getLogger("atlas_jax.engine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +69,7 @@ class _Registered:
     uid: int                           # prefix-cache key of sequences under this registration
     digest: str = ""                   # its files' hash when registered (a reload must match it)
     in_use: int = 0                    # requests in the engine that name it
+    pinned: int = 0                    # requests made under it and not yet gone (their host copy is kept)
 
 
 class LoRAManager:
@@ -131,7 +135,8 @@ class LoRAManager:
 
     def lookup(self, req: LoRARequest | str) -> tuple[str, int]:
         """(name, uid) of the adapter a request names, registering it when it comes with a path; every
-        refusal is an InvalidRequestError (UnknownAdapterError for a name never registered)."""
+        refusal is an InvalidRequestError (UnknownAdapterError for a name never registered). Its host copy
+        is pinned until `unpin(name, uid)` (the request object's finalizer: engine/core.py)."""
         if isinstance(req, str):
             req = LoRARequest(req, 1)
         if not isinstance(req, LoRARequest):
@@ -146,17 +151,20 @@ class LoRAManager:
         return req.lora_name, uid
 
     def use(self, name: str, uid: int) -> None:
-        """One more queued request under registration (name, uid) until `done(name)`, its host copy kept
-        meanwhile; refused when the name was unloaded or re-registered since `lookup`, or when its host
-        copy was dropped since (then the caller retries through `lookup`)."""
+        """One more queued request under registration (name, uid) until `done(name)` (its host copy is
+        pinned since `lookup`); refused when the name was unloaded or re-registered since."""
         with self._lock:
             entry = self._registry.get(name)
             if entry is None or entry.uid != uid:
                 raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
-            if uid not in self._host:
-                raise AdapterUnavailableError(f"adapter {name!r} left the host cache before its request was "
-                                              "queued; retry")
             entry.in_use += 1
+
+    def unpin(self, name: str, uid: int) -> None:
+        """A request made by `lookup` under (name, uid) is gone: its host copy may be dropped again."""
+        with self._lock:
+            entry = self._registry.get(name)
+            if entry is not None and entry.uid == uid and entry.pinned > 0:
+                entry.pinned -= 1
 
     def done(self, name: str) -> None:
         """A request under `name` ended (finished, aborted, failed)."""
@@ -211,33 +219,39 @@ class LoRAManager:
         """Keep `adapter`; drop the least recently used copies past max_cpu_loras, never one in use."""
         self._host[uid] = adapter
         self._host.move_to_end(uid)
-        busy = {e.uid for e in self._registry.values() if e.in_use}
+        busy = {e.uid for e in self._registry.values() if e.in_use or e.pinned}
         for old in [u for u in self._host if u not in busy and u != uid]:
             if len(self._host) <= self.max_cpu_loras:
                 break
             del self._host[old]
 
     def _host_copy(self, name: str, uid: int) -> None:
-        """Registration uid's validated weights in host memory, read again (and validated) if they were
-        dropped: on the calling request's thread. AdapterUnavailableError when the files no longer load."""
+        """Pin registration uid's validated weights in host memory, read again (and validated) if they were
+        dropped: on the calling request's thread. AdapterUnavailableError when the files no longer load
+        (the log has the path; the message, which reaches clients, does not)."""
         with self._lock:
+            entry = self._registry.get(name)
+            if entry is None or entry.uid != uid:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
             if uid in self._host:
+                entry.pinned += 1
                 self._host.move_to_end(uid)
                 return
-            entry = self._registry.get(name)
-        if entry is None or entry.uid != uid:
-            raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
         try:
             adapter = self._read(entry.request)
         except LoRAError as e:
-            raise AdapterUnavailableError(f"adapter {name!r} could not be reloaded from {entry.request.lora_path}: "
-                                          f"{e}") from None
+            log.error("adapter %r could not be reloaded from %s: %s", name, entry.request.lora_path, e)
+            raise AdapterUnavailableError(f"adapter {name!r} could not be reloaded: its files no longer load "
+                                          "(the server log says why)") from None
         if adapter.digest != entry.digest:
+            log.error("adapter %r changed on disk (%s) since it was loaded", name, entry.request.lora_path)
             raise AdapterUnavailableError(f"adapter {name!r} changed on disk since it was loaded; unload and load it "
                                           "again to serve the new files")
         with self._lock:
-            if self._registry.get(name) is entry:
-                self._cache(uid, adapter)
+            if self._registry.get(name) is not entry:
+                raise UnknownAdapterError(f"adapter {name!r} is not loaded", "model")
+            entry.pinned += 1
+            self._cache(uid, adapter)
 
     def _weights(self, uid: int) -> dict:
         """An adapter's validated host copy (kept while requests in the engine use it)."""

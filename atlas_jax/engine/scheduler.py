@@ -96,6 +96,7 @@ class Scheduler:
         self.swap_bytes = 0
         self.num_preemptions = {"swap": 0, "recompute": 0, "fairness": 0}
         self.failed: list[tuple[Sequence, Exception]] = []   # adapter slot loads that failed (engine fails them)
+        self._fairness_head: Sequence | None = None          # the waiting sequence the last fairness victim was for
 
     # ---- queue changes ------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -190,8 +191,9 @@ class Scheduler:
         need = self.blocks.pages_for(num_tokens) - len(seq.pages)
         while need > self.blocks.num_free:
             # The least progress loses, the asking sequence included: a new prefill chunk never
-            # evicts a long decode with more work done.
-            victim = min(self.running, key=lambda s: (s.num_cached, -s.order))
+            # evicts a long decode with more work done. A client running more than its share loses first.
+            over = self._over_share()
+            victim = min(self.running, key=lambda s: (s.client not in over, s.num_cached, -s.order))
             chosen.pop(victim, None)
             self._preempt(victim)
             if victim is seq:
@@ -247,6 +249,8 @@ class Scheduler:
                 adapters_blocked = True
                 continue
             self.waiting.remove(seq)
+            if seq is self._fairness_head:
+                self._fairness_head = None
             if hit is not None:
                 self.cache.record(seq.num_tokens, hit)
                 if seq.num_prefix_cached is None:
@@ -282,20 +286,32 @@ class Scheduler:
             if queue:
                 heapq.heappush(heap, (n + 1, queue[0].order, client))
 
+    def _share(self) -> tuple[Counter, int]:
+        """(running sequences per client, a client's share of max_num_seqs among the active clients)."""
+        load = Counter(s.client for s in self.running)
+        active = set(load) | {s.client for s in self.waiting} | {s.client for s in self.swapped}
+        return load, max(1, self.config.max_num_seqs // max(1, len(active)))
+
+    def _over_share(self) -> set:
+        """Clients running more than their share (none when one client is active)."""
+        load, share = self._share()
+        return {c for c, n in load.items() if n > share}
+
     def _preempt_for_fairness(self, head: Sequence, chosen: dict) -> None:
         """Every slot taken and `head` (the first admissible waiting sequence) from a client below its
         share: free a slot from the client running the most sequences above it (its least-progress
-        sequence, by recompute)."""
-        load = Counter(s.client for s in self.running)
-        if not load:
+        sequence, by recompute). Once per head: a head that still is not admitted (its adapter slots
+        busy, pages short) gets no second victim until it is."""
+        load, share = self._share()
+        if not load or head is self._fairness_head:
             return
-        share = max(1, self.config.max_num_seqs // len(set(load) | {s.client for s in self.waiting}))
         heavy, most = max(load.items(), key=lambda kv: kv[1])
         if load[head.client] >= share or most <= share or heavy == head.client:
             return
         victim = min((s for s in self.running if s.client == heavy), key=lambda s: (s.num_cached, -s.order))
         chosen.pop(victim, None)
         self.num_preemptions["fairness"] += 1
+        self._fairness_head = head
         self._preempt(victim, mode="recompute")
 
     def _lookup(self, seq: Sequence):
@@ -377,12 +393,13 @@ class Scheduler:
     def _swap_in(self) -> None:
         cfg = self.config
         while self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
-            seq = self.swapped[0]
+            load = Counter(s.client for s in self.running)      # the least-served client's oldest first
+            seq = min(self.swapped, key=lambda s: (load[s.client], s.order))
             need = self.blocks.pages_for(seq.num_cached)
             headroom = cfg.watermark_pages + 1 if self.running else 0
             if self.blocks.num_free < need + headroom or not self._take_adapter(seq):
                 return
-            self.swapped.pop(0)
+            self.swapped.remove(seq)
             seq.slot = self.slots.allocate(1)[0]
             seq.pages = self.blocks.allocate(need)
             self.swapper.restore(seq.pages, seq.slot, seq.swapped_state)

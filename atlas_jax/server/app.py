@@ -35,7 +35,8 @@ def build_app(engine, *, served_model_name: str, api_key: str | list[str] | None
               max_body_bytes: int = 1 << 22, tool_call_parser: str = "auto", reasoning_parser: str = "auto",
               public_metrics: bool = False, allowed_hosts: list[str] | None = None,
               allow_runtime_lora_updating: bool = False, max_requests_per_client: int | None = None,
-              max_seqs_per_request: int = 256, max_request_tokens: int | None = 1 << 20) -> FastAPI:
+              max_seqs_per_request: int = 256, max_request_tokens: int | None = 1 << 20,
+              body_timeout: float | None = 30.0) -> FastAPI:
     """The app over an AsyncLLM; the keywords are serve.py's flags (their help says what each does)."""
     app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON)
     metrics = Metrics(engine)
@@ -49,7 +50,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | list[str] | None
     app.state.allow_runtime_lora_updating = allow_runtime_lora_updating
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, is_draining=lambda: engine.is_draining,
                        on_response=lambda path, status: metrics.requests.labels(path_label(path), str(status)).inc(),
-                       public_metrics=public_metrics, allowed_hosts=allowed_hosts)
+                       public_metrics=public_metrics, allowed_hosts=allowed_hosts, body_timeout=body_timeout)
     _add_error_handlers(app)
     _add_service_routes(app, ctx)
     serving_completions.add_routes(app, ctx)

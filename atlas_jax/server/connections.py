@@ -7,12 +7,15 @@ descriptor. `protocol_class(header_timeout, max_connections)` returns uvicorn's 
   a kept-alive one; a connection whose request headers are not complete `header_timeout` seconds
   later is closed. A request that has its headers runs as long as it needs (bodies have their own
   limit, responses may stream for minutes).
-- a connection cap: a connection opened while `max_connections` are open is answered 503 (OpenAI's
-  error shape, Retry-After) and closed at once, so a client at the cap gets an answer rather than a
-  silent refusal at the process's file-descriptor limit (`raise_fd_limit` lifts the soft limit).
+- connection caps: a connection opened while `max_connections` are open, or while its peer address holds
+  `max_connections_per_client`, is answered 503 (OpenAI's error shape, Retry-After) at once and closed
+  after a moment (a lingering close, so the answer is not lost to a reset): a client at the cap gets an
+  answer rather than a silent refusal at the file-descriptor limit (`raise_fd_limit` lifts the soft
+  limit), and one peer cannot hold every connection.
 """
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import resource
@@ -27,27 +30,46 @@ def _refusal_bytes() -> bytes:
             b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
 
 
-def protocol_class(header_timeout: float | None, max_connections: int | None):
-    """uvicorn's HTTP protocol (httptools or h11, as uvicorn would pick) with the timer and the cap."""
+def protocol_class(header_timeout: float | None, max_connections: int | None,
+                   max_connections_per_client: int | None = None):
+    """uvicorn's HTTP protocol (httptools or h11, as uvicorn would pick) with the timer and the caps
+    (max_connections_per_client: per peer address)."""
     from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
     refusal = _refusal_bytes()
+    per_peer: collections.Counter = collections.Counter()
 
     class GuardedProtocol(AutoHTTPProtocol):
         _header_timer = None
         _header_cycle = None                    # the request cycle when the timer was armed
+        _refused = False
+        _peer = None
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._peer = self.client[0] if self.client else None
+            per_peer[self._peer] += 1
             if max_connections is not None and len(self.connections) > max_connections:
-                log.warning("refusing a connection: %d open (--max-connections %d)", len(self.connections) - 1,
-                            max_connections)
-                transport.write(refusal)
-                transport.close()
-                return
-            self._arm()
+                self._refuse(f"{len(self.connections) - 1} connections open (--max-connections {max_connections})")
+            elif max_connections_per_client is not None and per_peer[self._peer] > max_connections_per_client:
+                self._refuse(f"{self._peer} has {per_peer[self._peer] - 1} connections open "
+                             f"(--max-connections-per-client {max_connections_per_client})")
+            else:
+                self._arm()
+
+        def _refuse(self, why: str) -> None:
+            """503 at once, then a lingering close: the client's request bytes are read and dropped for a
+            moment, so the refusal is not lost to a reset."""
+            log.warning("refusing a connection: %s", why)
+            self._refused = True
+            self.transport.write(refusal)
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+            self.loop.call_later(1.0, self.transport.close)
 
         def data_received(self, data: bytes) -> None:
+            if self._refused:
+                return
             if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
                 self._arm()                     # the first bytes of a next request on a kept-alive connection
             super().data_received(data)
@@ -56,6 +78,9 @@ def protocol_class(header_timeout: float | None, max_connections: int | None):
 
         def connection_lost(self, exc) -> None:
             self._disarm()
+            per_peer[self._peer] -= 1
+            if per_peer[self._peer] <= 0:
+                del per_peer[self._peer]
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -8,7 +8,8 @@ header against `allowed_hosts` (400: DNS rebinding); the API key on every route 
 request cannot carry one); the body limit also enforced while the body is read (chunked: reading
 stops at the limit with 413); 503 + Retry-After while the server drains; and a last-resort 500 in OpenAI's shape for any exception
 a route lets through — answered here, so the connection stays usable (Starlette's own 500 path
-re-raises to the server, which drops the keep-alive connection). It names the request's client in
+re-raises to the server, which drops the keep-alive connection). A body that is not complete
+`body_timeout` seconds after its headers is refused with 408. It names the request's client in
 scope["state"]["client"]: its API key's index when the server has several keys, else its peer address.
 
 `read_json(request, Model)` parses a body strictly: UTF-8, JSON without NaN / Infinity, then the
@@ -16,9 +17,11 @@ pydantic model; every failure is a 400 naming what is wrong.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
+import time
 import uuid
 
 from fastapi.responses import JSONResponse
@@ -42,6 +45,13 @@ class BodyTooLarge(HTTPException):
 
     def __init__(self, limit: int):
         super().__init__(413, f"request body over {limit} bytes")
+
+
+class BodyTooSlow(HTTPException):
+    """Raised from `receive` when the body is not complete `timeout` seconds after its request arrived."""
+
+    def __init__(self, timeout: float):
+        super().__init__(408, f"request body not received within {timeout:g} s")
 
 
 class JSON(JSONResponse):
@@ -71,11 +81,12 @@ OPEN_PATHS = ("/health",)                  # answered without the API key (load 
 
 class Guard:
     def __init__(self, app, *, api_key: str | list[str] | tuple[str, ...] | None, max_body_bytes: int, is_draining,
-                 on_response, public_metrics: bool = False, allowed_hosts: list[str] | tuple[str, ...] | None = None):
+                 on_response, public_metrics: bool = False, allowed_hosts: list[str] | tuple[str, ...] | None = None,
+                 body_timeout: float | None = None):
         """api_key: one key, several (one client each), or None (no key); is_draining(): True while the
         server drains; on_response(path, status): metrics hook; allowed_hosts: Host header names served
-        (None or "*": any)."""
-        self.app, self.max_body_bytes = app, max_body_bytes
+        (None or "*": any); body_timeout: seconds a request's body may take to arrive (408 after)."""
+        self.app, self.max_body_bytes, self.body_timeout = app, max_body_bytes, body_timeout
         keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
         self.api_keys = [k.encode("utf-8") for k in keys]
         self.open_paths = OPEN_PATHS + (("/metrics",) if public_metrics else ())
@@ -151,14 +162,26 @@ class Guard:
         return found
 
     def _limited(self, receive):
-        limit, seen = self.max_body_bytes, [0]
+        """receive() with the body limit and, until the body is complete, the body deadline."""
+        limit, seen, timeout = self.max_body_bytes, [0], self.body_timeout
+        deadline = [None if timeout is None else time.monotonic() + timeout]      # None once the body is in
 
         async def receive_limited():
-            message = await receive()
+            if deadline[0] is None:
+                message = await receive()
+            else:
+                try:
+                    message = await asyncio.wait_for(receive(), max(0.0, deadline[0] - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise BodyTooSlow(timeout) from None
             if message["type"] == "http.request":
                 seen[0] += len(message.get("body", b""))
                 if seen[0] > limit:
                     raise BodyTooLarge(limit)
+                if not message.get("more_body", False):
+                    deadline[0] = None
+            else:
+                deadline[0] = None
             return message
         return receive_limited
 

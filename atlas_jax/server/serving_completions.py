@@ -43,7 +43,7 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
 
         if body.stream:
             async def events():
-                prompt_tokens, completion, sent_prompt = {}, 0, set()
+                prompt_tokens, completion, sent_prompt, scored = {}, 0, set(), {}
                 async for i, out in items:
                     prompt_tokens[i] = prompt_count(out)
                     for c in out.outputs:
@@ -56,7 +56,9 @@ def add_routes(app: FastAPI, ctx: ServerContext) -> None:
                         if body.return_token_ids:
                             choice["token_ids"] = list(c.token_ids)
                         if out.prompt_logprobs is not None and (i, c.index) not in sent_prompt:
-                            choice["prompt_logprobs"] = await ctx.prompt_logprobs_async(out.prompt_logprobs)
+                            if i not in scored:                # converted once per prompt, not per completion
+                                scored[i] = await ctx.prompt_logprobs_async(out.prompt_logprobs)
+                            choice["prompt_logprobs"] = scored[i]
                             sent_prompt.add((i, c.index))
                             yield await engine.offload(sse, {**head, "choices": [choice]})
                             continue

@@ -109,6 +109,10 @@ class ServerContext:
         """Room for k engine requests of `client` (module docstring), or 429 / 503 + Retry-After."""
         mine, total = self.in_flight[client], sum(self.in_flight.values())
         cap = self.max_requests_per_client
+        most = min(cap if cap is not None else k, max(1, self.max_waiting))
+        if k > most:                                     # could never be admitted: not a matter of retrying
+            raise APIError(400, f"this request has {k} prompts; this server takes at most {most} requests in "
+                                "flight per client", param="prompt")
         if cap is not None and mine + k > cap:
             raise APIError(429, f"this client has {mine} request(s) in flight and asks for {k} more; at most {cap}",
                            "rate_limit_exceeded", code="rate_limit_exceeded", headers={"Retry-After": "1"})
@@ -228,7 +232,7 @@ class ServerContext:
             except StopAsyncIteration:
                 first = None
         except BaseException:
-            reservation.release(reservation.left)     # a no-op for the places its engine requests hold
+            reservation.release(reservation.left)     # (its engine requests, if any, were aborted)
             raise
 
         async def items():
