@@ -186,6 +186,33 @@ def test_an_adapter_changed_on_disk_after_eviction_fails_only_its_requests(qwen3
     llm.remove_lora("x")
 
 
+def test_a_made_request_keeps_its_adapters_host_copy(qwen3_lora, tmp_path):
+    """Between a request's lookup (its thread) and its submit (the engine thread) other registrations fill
+    the host cache (max_cpu_loras 2): the request's adapter stays in host memory (pinned), so the engine
+    serves it exactly; the pin goes when the request does."""
+    import gc
+    import shutil
+    llm, reqs, prompts, refs = qwen3_lora
+    manager = llm.engine.lora
+    shutil.copytree(reqs["c"].lora_path, tmp_path / "w")
+    w = LoRARequest("w", 13, str(tmp_path / "w"))
+    req = llm.engine.make_request(prompts[2], GREEDY, lora_request=w)
+    uid = req.lora[1]
+    for i, name in enumerate(("p", "q")):                      # two newer registrations: LRU would drop w
+        shutil.copytree(reqs["a"].lora_path, tmp_path / name)
+        llm.add_lora(LoRARequest(name, 20 + i, str(tmp_path / name)))
+    assert uid in manager._host
+    llm.engine.submit(req)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert req.seqs[0].output_ids == refs["c"][2] and req.seqs[0].finish_reason == "length"
+    del req
+    gc.collect()
+    assert manager._registry["w"].pinned == 0 and manager._registry["w"].in_use == 0
+    for name in ("w", "p", "q"):
+        llm.remove_lora(name)
+
+
 def test_a_failing_adapter_slot_update_fails_only_its_request(qwen3_lora):
     """The device update of an adapter slot raises (as a wrong-shape adapter did before validation): the
     request that needed it finishes with "error", its batch mates get their exact tokens, the slot table

@@ -305,3 +305,29 @@ def test_a_flooding_client_cannot_starve_another(llm, alone, fair):
     for i, req in enumerate(flood):
         assert req.seqs[0].output_ids == full[i % 4], i
     assert_no_leaks(llm)
+
+
+def test_page_preemption_takes_from_the_client_over_its_share(llm, alone, memory_pressure):
+    """KV pages run short while client A runs 6 sequences (over its share of 4) beside client B's canary,
+    which has the least progress: the sequences preempted for pages are A's, never the canary's, and
+    every output is exact."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+    memory_pressure(34)
+    try:
+        flood = [engine.add_request(PROMPTS[i], params, f"a-{i}", client="A") for i in (0, 2, 4, 6, 7, 1)]
+        for _ in range(3):
+            engine.step()
+        canary = engine.add_request(PROMPTS[5], GREEDY, "canary", client="B")
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        memory_pressure.release()
+        for rid in list(engine.requests):
+            engine.abort(rid)
+    assert sum(r.seqs[0].metrics.num_preemptions for r in flood) > 0       # pages did run short
+    assert canary.seqs[0].metrics.num_preemptions == 0
+    assert canary.seqs[0].output_ids == alone[5]
+    for i, req in zip((0, 2, 4, 6, 7, 1), flood):
+        assert req.seqs[0].output_ids == llm.generate(PROMPTS[i], params)[0].outputs[0].token_ids, i
+    assert_no_leaks(llm)

@@ -191,9 +191,10 @@ class Scheduler:
         need = self.blocks.pages_for(num_tokens) - len(seq.pages)
         while need > self.blocks.num_free:
             # The least progress loses, the asking sequence included: a new prefill chunk never
-            # evicts a long decode with more work done. A client running more than its share loses first.
-            over = self._over_share()
-            victim = min(self.running, key=lambda s: (s.client not in over, s.num_cached, -s.order))
+            # evicts a long decode with more work done. Between clients, the one running the most loses
+            # first (with one client: the least progress of all).
+            load = Counter(s.client for s in self.running)
+            victim = min(self.running, key=lambda s: (-load[s.client], s.num_cached, -s.order))
             chosen.pop(victim, None)
             self._preempt(victim)
             if victim is seq:
@@ -291,11 +292,6 @@ class Scheduler:
         load = Counter(s.client for s in self.running)
         active = set(load) | {s.client for s in self.waiting} | {s.client for s in self.swapped}
         return load, max(1, self.config.max_num_seqs // max(1, len(active)))
-
-    def _over_share(self) -> set:
-        """Clients running more than their share (none when one client is active)."""
-        load, share = self._share()
-        return {c for c, n in load.items() if n > share}
 
     def _preempt_for_fairness(self, head: Sequence, chosen: dict) -> None:
         """Every slot taken and `head` (the first admissible waiting sequence) from a client below its
