@@ -10,9 +10,9 @@ import shutil
 import pytest
 
 from atlas_jax.default_model import default_model_path
-from atlas_jax.engine.errors import InvalidRequestError
-from atlas_jax.server.chat import ChatTemplate
-from atlas_jax.tokenizer import Tokenizer
+from atlas_jax.errors import InvalidRequestError
+from atlas_jax.frontend.chat import ChatTemplate
+from atlas_jax.frontend.tokenizer import Tokenizer
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -13,7 +13,7 @@ import torch
 import atlas_jax
 from atlas_jax import LLM
 from atlas_jax.default_model import default_model_path
-from atlas_jax.server.chat import ChatTemplate
+from atlas_jax.frontend.chat import ChatTemplate
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
          "generation_config.json", "README.md", "draft_token_map.json")

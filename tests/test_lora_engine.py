@@ -11,7 +11,7 @@ import hf_models
 from conftest import random_prompts
 
 from atlas_jax import LLM, LoRARequest, SamplingParams
-from atlas_jax.engine.errors import InvalidRequestError
+from atlas_jax.errors import InvalidRequestError
 from atlas_jax.engine.lora import UnknownAdapterError
 from atlas_jax.weights.lora import LoRAError
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from atlas_jax.server.parsers import (OutputParser, resolve_reasoning_parser, resolve_tool_parser)
+from atlas_jax.frontend.parsers import (OutputParser, resolve_reasoning_parser, resolve_tool_parser)
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},

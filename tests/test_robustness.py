@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from conftest import random_prompts, serving
 
 from atlas_jax import SamplingParams
-from atlas_jax.engine.errors import InvalidRequestError
+from atlas_jax.errors import InvalidRequestError
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

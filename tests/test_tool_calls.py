@@ -17,7 +17,7 @@ from conftest import serving
 from atlas_jax.default_model import default_model_path
 from atlas_jax.engine.async_llm import FINISHED
 from atlas_jax.engine.outputs import CompletionOutput, RequestOutput
-from atlas_jax.tokenizer import Tokenizer
+from atlas_jax.frontend.tokenizer import Tokenizer
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",

@@ -26,7 +26,7 @@ import threading
 from typing import AsyncIterator
 
 from .core import EngineCore, Request
-from .errors import EngineDeadError, RequestFailedError
+from ..errors import EngineDeadError, RequestFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 

@@ -20,8 +20,8 @@ from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.cache import snapshot_bytes
 from ..state.prefix_cache import PrefixCache
-from .detokenizer import IncrementalDetokenizer
-from .errors import InvalidRequestError
+from ..frontend.detokenizer import IncrementalDetokenizer
+from ..errors import InvalidRequestError
 from .lora import LoRAManager, LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner, RowInput

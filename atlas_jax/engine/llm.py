@@ -16,7 +16,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..kernels import resolve_kernels
-from ..tokenizer import Tokenizer
+from ..frontend.tokenizer import Tokenizer
 from ..weights import load_model_params
 from .args import EngineArgs
 from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
@@ -156,7 +156,7 @@ class LLM:
         them, rendered with the checkpoint's chat template as transformers renders it (chat_template:
         a file or template text to use instead), then generated. sampling_params default: max_tokens
         None (the rest of the context). Returns one RequestOutput per conversation."""
-        from ..server.chat import ChatTemplate
+        from ..frontend.chat import ChatTemplate
         if self._chat_template is None or chat_template is not None:
             self._chat_template = ChatTemplate.for_model(self.model_path, chat_template)
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)

@@ -31,7 +31,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..layers.lora import param_at
 from ..weights.lora import LoRAAdapter, LoRAError, adaptable, load_peft_adapter
-from .errors import InvalidRequestError, RequestFailedError
+from ..errors import InvalidRequestError, RequestFailedError
 
 log = logging.getLogger("atlas_jax.engine")
 

@@ -24,9 +24,8 @@ import jax.numpy as jnp
 
 from ..models.decoder import argmax
 
-MAX_LOGPROBS = 20
-MAX_LOGIT_BIAS = 128     # logit_bias entries per request
-MAX_ALLOWED_TOKENS = 256  # allowed_token_ids per request
+from .sampling_params import MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS  # noqa: F401 (the device's bounds)
+
 BIAS_COLUMNS = 512       # per-step logit adjustments per row (logit_bias, allowed ids, min_tokens / bad_words bans)
 NO_BIAS = 2**31 - 1      # bias_ids padding: out of any vocabulary, dropped by the scatter
 

@@ -13,8 +13,11 @@ import numbers
 
 import numpy as np
 
-from .errors import InvalidRequestError
-from .sampler import MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS
+from ..errors import InvalidRequestError
+
+MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 128     # logit_bias entries per request
+MAX_ALLOWED_TOKENS = 256  # allowed_token_ids per request
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 INT32_MAX = 2**31 - 1

@@ -14,7 +14,7 @@ import enum
 import math
 import time
 
-from .detokenizer import IncrementalDetokenizer
+from ..frontend.detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 

@@ -18,14 +18,14 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..engine.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 from ..engine.lora import LoRARequest, UnknownAdapterError
 from ..weights.lora import LoRAError
 from . import serving_chat, serving_completions
-from .chat import ChatTemplate
+from ..frontend.chat import ChatTemplate
 from .guard import JSON, APIError, Guard, error_response, error_type, read_json
 from .metrics import Metrics, path_label
-from .parsers import resolve_reasoning_parser, resolve_tool_parser
+from ..frontend.parsers import resolve_reasoning_parser, resolve_tool_parser
 from .protocol import DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest
 from .streams import ServerContext
 

@@ -15,7 +15,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 from ..engine.sampling_params import SamplingParams
 
 STRICT = ConfigDict(extra="allow", strict=True)

@@ -8,9 +8,9 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from ..tokenizer import check_unicode
+from ..frontend.tokenizer import check_unicode
 from .guard import JSON, APIError
-from .parsers import THINK_END, THINK_START, Delta, OutputParser, forced_opening
+from ..frontend.parsers import THINK_END, THINK_START, Delta, OutputParser, forced_opening
 from .protocol import ChatCompletionRequest
 from .streams import DONE, ServerContext, guarded, logprob, prompt_count, sse, usage
 

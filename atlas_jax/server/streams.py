@@ -19,7 +19,7 @@ import logging
 import time
 
 from ..engine.async_llm import FINISHED
-from ..engine.errors import EngineDeadError, RequestFailedError
+from ..errors import EngineDeadError, RequestFailedError
 from ..engine.lora import UnknownAdapterError
 from .guard import APIError, error_body, read_json
 

@@ -1,2 +1,1 @@
-from .allocator import BlockAllocator, SlotAllocator
-from .cache import ModelState, init_state, state_bytes
+"""Engine state: the device pools (cache.py) and the host allocators over them (allocator.py, prefix_cache.py: no jax)."""

@@ -11,7 +11,7 @@ import os
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from .engine.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 
 class Tokenizer:

@@ -19,7 +19,7 @@ from datetime import datetime
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..engine.errors import InvalidRequestError
+from ..errors import InvalidRequestError
 
 DEFAULT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
