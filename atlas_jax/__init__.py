@@ -4,7 +4,7 @@ The public names load on first use (PEP 562), so host-only modules (the schedule
 server's protocol) import without jax."""
 from . import host_memory  # noqa: F401  (first: glibc settings before any XLA thread allocates)
 
-_EXPORTS = {"LLM": "engine.llm", "LoRARequest": "engine.lora", "SamplingParams": "engine.sampling_params",
+_EXPORTS = {"LLM": "engine.llm", "LoRARequest": "engine.client", "SamplingParams": "engine.sampling_params",
             "RequestOutput": "engine.outputs", "CompletionOutput": "engine.outputs", "ModelConfig": "config",
             "ConfigError": "config"}
 __all__ = list(_EXPORTS)

@@ -10,7 +10,6 @@ import os
 import socket
 import threading
 import time
-import types
 
 import httpx
 import numpy as np
@@ -18,7 +17,8 @@ import pytest
 
 from conftest import serving
 
-from atlas_jax.engine.async_llm import FINISHED, AsyncLLM
+from atlas_jax.engine.async_llm import AsyncLLM
+from atlas_jax.engine.client import FINISHED
 from atlas_jax.engine.outputs import CompletionOutput, RequestOutput
 from atlas_jax.server.app import build_app
 from atlas_jax.server.connections import protocol_class
@@ -285,14 +285,14 @@ def test_one_address_cannot_hold_every_connection_and_slow_bodies_time_out(engin
 
 # ---- prompt_logprobs off the event loop -------------------------------------------------------------
 class ScoringEngine:
-    """AsyncLLM's serving interface, answering every request at once with a long prompt's
+    """An EngineClient (engine/client.py) answering every request at once with a long prompt's
     prompt_logprobs (4095 x 20 entries): what the server does with them is under test."""
 
     def __init__(self, llm):
-        self.llm, self.tokenizer = llm, llm.tokenizer
-        self.engine = types.SimpleNamespace(cfg=llm.engine.cfg, max_model_len=8192, num_pages=1, lora=None,
-                                            slots=types.SimpleNamespace(capacity=1), speculative=None,
-                                            prefix_cache=None, stats=llm.engine.stats)
+        self.model_path, self.tokenizer = llm.model_path, llm.tokenizer
+        self.max_model_len, self.vocab_size, self.num_pages, self.num_slots, self.loras = \
+            8192, llm.engine.cfg.vocab_size, 1, 1, None
+        self.stats = lambda: {**llm.engine.stats(), "spec": None}
         self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
         self._pool = __import__("concurrent.futures").futures.ThreadPoolExecutor(4)
         ids = (np.arange(4096)[:, None] * 7 + np.arange(20)[None]) % llm.engine.cfg.vocab_size   # 20 distinct a row

@@ -9,13 +9,12 @@ import asyncio
 import json
 import os
 import shutil
-import types
 
 import pytest
 from conftest import serving
 
 from atlas_jax.default_model import default_model_path
-from atlas_jax.engine.async_llm import FINISHED
+from atlas_jax.engine.client import FINISHED
 from atlas_jax.engine.outputs import CompletionOutput, RequestOutput
 from atlas_jax.frontend.tokenizer import Tokenizer
 
@@ -32,19 +31,20 @@ XML_REPLY = ('The user wants the weather.\n</think>\n\n<tool_call>\n<function=ge
 
 
 class ScriptedEngine:
-    """The part of AsyncLLM the server uses; each request's reply is the next scripted text."""
+    """An EngineClient (engine/client.py) whose replies are scripted: each request's is the next text."""
 
     def __init__(self, model_path):
-        self.llm = types.SimpleNamespace(model_path=model_path)
-        self.tokenizer = Tokenizer.from_pretrained(model_path)
-        stats = {"running": 0, "waiting": 0, "swapped": 0, "free_pages": 1, "free_slots": 1, "num_failed_requests": 0,
-                 "num_compiles": 0, "num_aborted": {}}
-        self.engine = types.SimpleNamespace(cfg=types.SimpleNamespace(vocab_size=self.tokenizer.vocab_size),
-                                            max_model_len=4096,
-                                            num_pages=1, slots=types.SimpleNamespace(capacity=1), stats=lambda: stats,
-                                            speculative=None, prefix_cache=None)
+        self.model_path, self.tokenizer = model_path, Tokenizer.from_pretrained(model_path)
+        self.max_model_len, self.vocab_size, self.num_pages, self.num_slots, self.loras = \
+            4096, self.tokenizer.vocab_size, 1, 1, None
+        self._stats = {"running": 0, "waiting": 0, "swapped": 0, "free_pages": 1, "free_slots": 1,
+                       "num_failed_requests": 0, "num_compiles": 0, "num_aborted": {}, "prefix_cache": None,
+                       "spec": None}
         self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
         self.replies, self.prompts = [], []
+
+    def stats(self):
+        return self._stats
 
     async def offload(self, fn, *args):
         return fn(*args)

@@ -25,6 +25,7 @@ import queue
 import threading
 from typing import AsyncIterator
 
+from .client import FINISHED as _Finished
 from .core import EngineCore, Request
 from ..errors import EngineDeadError, RequestFailedError
 from .outputs import RequestOutput
@@ -32,10 +33,6 @@ from .sampling_params import SamplingParams
 
 log = logging.getLogger("atlas_jax.engine")
 PREP_WORKERS = 4        # threads that validate / tokenize / template requests (tokenizers releases the GIL)
-
-
-class _Finished:  # noqa: N801
-    """Sentinel on a request stream: no more outputs."""
 
 
 class AsyncLLM:
@@ -69,7 +66,19 @@ class AsyncLLM:
         self._thread = threading.Thread(target=self._loop, name="atlas_jax-engine", daemon=True)
         self._thread.start()
 
-    # ---- caller side -------------------------------------------------------------------------
+    # ---- caller side (EngineClient, engine/client.py) ------------------------------------------
+    model_path = property(lambda self: self.llm.model_path)
+    max_model_len = property(lambda self: self.engine.max_model_len)
+    vocab_size = property(lambda self: self.engine.cfg.vocab_size)
+    num_pages = property(lambda self: self.engine.num_pages)
+    num_slots = property(lambda self: self.engine.slots.capacity)
+    loras = property(lambda self: self.engine.lora)
+
+    def stats(self) -> dict:
+        """EngineCore.stats() and, with speculation, its acceptance summary under "spec"."""
+        spec = self.engine.spec_stats.summary() if self.engine.speculative is not None else None
+        return {**self.engine.stats(), "spec": spec}
+
     @property
     def is_running(self) -> bool:
         return self._thread.is_alive() and self.errored is None and not self._stop.is_set()
@@ -267,4 +276,4 @@ class AsyncLLM:
             self._push(rid, EngineDeadError("engine is shutting down"))
 
 
-FINISHED = _Finished     # the end-of-stream sentinel on a request's queue (for callers of add_request)
+FINISHED = _Finished     # the end-of-stream sentinel on a request's queue (engine/client.py)

@@ -29,38 +29,12 @@ import threading
 import numpy as np
 
 from ..config import ModelConfig
+from ..errors import AdapterUnavailableError, InvalidRequestError, LoRAError, UnknownAdapterError  # noqa: F401
 from ..layers.lora import param_at
-from ..weights.lora import LoRAAdapter, LoRAError, adaptable, load_peft_adapter
-from ..errors import InvalidRequestError, RequestFailedError
+from ..weights.lora import LoRAAdapter, adaptable, load_peft_adapter
+from .client import LoRARequest
 
 log = logging.getLogger("atlas_jax.engine")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoRARequest:
-    """vLLM's LoRARequest: a name, a positive integer id, and the adapter's directory (PEFT format)."""
-    lora_name: str
-    lora_int_id: int
-    lora_path: str = ""
-
-    def __post_init__(self):
-        if not isinstance(self.lora_name, str) or not self.lora_name:
-            raise ValueError("LoRARequest.lora_name must be a non-empty string")
-        if not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
-            raise ValueError(f"LoRARequest.lora_int_id must be a positive integer, got {self.lora_int_id!r}")
-
-    name = property(lambda self: self.lora_name)
-    adapter_id = property(lambda self: self.lora_int_id)
-    path = property(lambda self: self.lora_path)
-
-
-class UnknownAdapterError(InvalidRequestError):
-    """A request names an adapter that is not registered (HTTP 404)."""
-
-
-class AdapterUnavailableError(RequestFailedError):
-    """A registered adapter cannot be served now (its files changed or vanished since it was loaded, or
-    its device slot could not be written): the requests that name it fail, the engine goes on."""
 
 
 @dataclasses.dataclass

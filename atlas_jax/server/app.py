@@ -19,8 +19,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from ..errors import InvalidRequestError
-from ..engine.lora import LoRARequest, UnknownAdapterError
-from ..weights.lora import LoRAError
+from ..engine.client import LoRARequest
+from ..errors import LoRAError, UnknownAdapterError
 from . import serving_chat, serving_completions
 from ..frontend.chat import ChatTemplate
 from .guard import JSON, APIError, Guard, error_response, error_type, read_json
@@ -40,7 +40,7 @@ def build_app(engine, *, served_model_name: str, api_key: str | list[str] | None
     """The app over an AsyncLLM; the keywords are serve.py's flags (their help says what each does)."""
     app = FastAPI(title="atlas_jax", docs_url=None, redoc_url=None, openapi_url=None, default_response_class=JSON)
     metrics = Metrics(engine)
-    template = ChatTemplate.for_model(engine.llm.model_path, chat_template)
+    template = ChatTemplate.for_model(engine.model_path, chat_template)
     ctx = ServerContext(engine, metrics, served_model_name, template,
                         resolve_tool_parser(tool_call_parser, template.source),
                         resolve_reasoning_parser(reasoning_parser, template.source), request_timeout, max_waiting,
@@ -100,7 +100,7 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
 
     @app.get("/v1/models")
     async def models():
-        now, max_len = int(time.time()), engine.engine.max_model_len
+        now, max_len = int(time.time()), engine.max_model_len
         data = [{"id": ctx.model_name, "object": "model", "created": now, "owned_by": "atlas_jax",
                  "root": ctx.model_name, "parent": None, "max_model_len": max_len}]
         for r in ctx.loras.names() if ctx.loras is not None else ():
@@ -156,10 +156,10 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
         else:
             raise APIError(400, "tokenize needs 'prompt' (a string) or 'messages'", param="prompt")
         ids = await engine.offload(ctx.tokenizer.encode, text)
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
         body = await read_json(request, DetokenizeRequest, engine.offload)
         need_tokenizer()
-        return {"prompt": await engine.offload(ctx.tokenizer.decode_checked, body.tokens, engine.engine.cfg.vocab_size)}
+        return {"prompt": await engine.offload(ctx.tokenizer.decode_checked, body.tokens, engine.vocab_size)}

@@ -13,6 +13,7 @@ def path_label(path: str) -> str:
 
 class Metrics:
     def __init__(self, engine):
+        """engine: an EngineClient (engine/client.py); gauges read its stats() when scraped."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("atlas_requests", "Finished HTTP requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("atlas_prompt_tokens", "Prompt tokens processed", registry=r)
@@ -21,7 +22,7 @@ class Metrics:
                               buckets=(.005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60))
         self.itl = Histogram("atlas_inter_token_latency_seconds", "Time between streamed outputs", registry=r,
                              buckets=(.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5))
-        gauge = lambda name, doc, key: Gauge(name, doc, registry=r).set_function(lambda: engine.engine.stats()[key])
+        gauge = lambda name, doc, key: Gauge(name, doc, registry=r).set_function(lambda: engine.stats()[key])
         gauge("atlas_running_requests", "Sequences running", "running")
         gauge("atlas_waiting_requests", "Sequences waiting", "waiting")
         gauge("atlas_swapped_requests", "Sequences swapped to host", "swapped")
@@ -29,14 +30,14 @@ class Metrics:
         gauge("atlas_free_state_slots", "Free recurrent-state slots", "free_slots")
         gauge("atlas_failed_requests", "Requests the engine failed alone (step containment)", "num_failed_requests")
         gauge("atlas_num_compiles", "Compiled executables (constant after warm-up)", "num_compiles")
-        Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.engine.num_pages)
-        Gauge("atlas_state_slots", "Recurrent-state slots", registry=r).set(engine.engine.slots.capacity)
+        Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.num_pages)
+        Gauge("atlas_state_slots", "Recurrent-state slots", registry=r).set(engine.num_slots)
         Gauge("atlas_aborted_requests", "Requests ended before their finish (client gone: abort)", registry=r
-              ).set_function(lambda: engine.engine.stats()["num_aborted"].get("abort", 0))
+              ).set_function(lambda: engine.stats()["num_aborted"].get("abort", 0))
         Gauge("atlas_kv_usage_ratio", "Share of KV pages in use", registry=r).set_function(
-            lambda: 1 - engine.engine.stats()["free_pages"] / engine.engine.num_pages)
-        if engine.engine.prefix_cache is not None:
-            cache = lambda key: engine.engine.prefix_cache_stats()[key]
+            lambda: 1 - engine.stats()["free_pages"] / engine.num_pages)
+        if engine.stats()["prefix_cache"] is not None:
+            cache = lambda key: engine.stats()["prefix_cache"][key]
             for key, doc in (("query_tokens", "Prompt tokens looked up in the prefix cache"),
                              ("hit_tokens", "Prompt tokens served from the prefix cache"),
                              ("hit_rate", "Prefix cache hit rate in tokens (hit / query)"),
@@ -47,8 +48,8 @@ class Metrics:
                              ("snapshot_bytes", "Bytes of recurrent-state snapshots held"),
                              ("evicted_snapshots", "Recurrent-state snapshots evicted")):
                 Gauge(f"atlas_prefix_cache_{key}", doc, registry=r).set_function(lambda key=key: cache(key))
-        if engine.engine.speculative is not None:
-            spec = lambda key: engine.engine.spec_stats.summary()[key] or 0.0
+        if engine.stats()["spec"] is not None:
+            spec = lambda key: engine.stats()["spec"][key] or 0.0
             for key, doc in (("drafted", "Draft tokens verified"), ("accepted", "Draft tokens accepted"),
                              ("verify_steps", "Target steps that verified drafts"),
                              ("acceptance_rate", "Accepted / drafted tokens"),

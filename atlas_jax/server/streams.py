@@ -18,9 +18,8 @@ import json
 import logging
 import time
 
-from ..engine.async_llm import FINISHED
-from ..errors import EngineDeadError, RequestFailedError
-from ..engine.lora import UnknownAdapterError
+from ..engine.client import FINISHED
+from ..errors import EngineDeadError, RequestFailedError, UnknownAdapterError
 from .guard import APIError, error_body, read_json
 
 log = logging.getLogger("atlas_jax.server")
@@ -42,7 +41,7 @@ class Choice:
 @dataclasses.dataclass
 class ServerContext:
     """What the routes of every API surface see."""
-    engine: object                      # AsyncLLM (or anything with its serving interface)
+    engine: object                      # an EngineClient (engine/client.py): AsyncLLM, or a test double
     metrics: object                     # metrics.Metrics
     model_name: str
     template: object                    # chat.ChatTemplate
@@ -62,7 +61,7 @@ class ServerContext:
     @property
     def loras(self):
         """The engine's LoRAManager (engine/lora.py), or None when it serves no adapters."""
-        return getattr(getattr(self.engine, "engine", None), "lora", None)
+        return self.engine.loras
 
     def check_model(self, model) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for anything else."""
@@ -99,7 +98,7 @@ class ServerContext:
             raise APIError(400, f"this request asks for {seqs} sequences (prompts x n); the server allows at most "
                                 f"{self.max_seqs_per_request} per request", param="n")
         if self.max_request_tokens is not None:
-            each = params.max_tokens if params.max_tokens is not None else self.engine.engine.max_model_len
+            each = params.max_tokens if params.max_tokens is not None else self.engine.max_model_len
             if seqs * each > self.max_request_tokens:
                 raise APIError(400, f"this request asks for up to {seqs * each} tokens ({seqs} sequences x {each}); "
                                     f"the server allows at most {self.max_request_tokens} per request",

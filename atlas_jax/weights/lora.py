@@ -28,15 +28,12 @@ import numpy as np
 import safetensors.numpy
 
 from ..config import ModelConfig
+from ..errors import LoRAError
 from ..models import family
 
 _FLOAT_DTYPES = {"F16", "BF16", "F32", "F64"}
 MAX_CONFIG_BYTES = 1 << 20             # adapter_config.json larger than this is refused unread
 _KEY = re.compile(r"^base_model\.model\.(?P<module>.+)\.lora_(?P<ab>[AB])(?:\.default)?\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter the engine cannot serve; the message names the module or field."""
 
 
 @dataclasses.dataclass(frozen=True)
