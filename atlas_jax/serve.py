@@ -44,7 +44,6 @@ def parse_args(argv=None):
                          "address, else any)")
     ap.add_argument("--allow-runtime-lora-updating", action="store_true",
                     help="allow /v1/load_lora_adapter and /v1/unload_lora_adapter (off: 403)")
-    ap.add_argument("--kv-cache-memory", type=float, default=None, help="KV pool size in GiB (instead of --num-pages)")
     ap.add_argument("--chat-template", default=None, help="jinja2 chat template: a file or the template text")
     ap.add_argument("--tool-call-parser", default="auto",
                     help="tool-call format in replies: auto (from the chat template), qwen3_json (hermes), llama3_json, "
@@ -122,8 +121,6 @@ def main(argv=None) -> None:
     from .server.connections import protocol_class, raise_fd_limit
 
     logging.basicConfig(level=args.log_level.upper())
-    if args.kv_cache_memory is not None and engine_args.num_pages is None:
-        engine_args.num_pages = _pages_for_memory(args)
     llm = LLM.from_engine_args(engine_args, warmup=False)
     from .weights.lora import LoRAError
     for req in lora_modules:
@@ -207,20 +204,6 @@ def _DrainingServer(config, engine, shutdown_timeout: float):
                 self.failed_at = now
             return self.failed_at is not None and now >= self.failed_at + grace
     return Server(config)
-
-
-def _pages_for_memory(args) -> int:
-    """Pages that fit in --kv-cache-memory GiB for this model."""
-    from .config import ModelConfig
-    from .engine.llm import resolve_dtype
-    from .state.cache import state_bytes
-    if args.model is None:
-        from .default_model import default_model_path
-        args.model = default_model_path()
-    cfg = ModelConfig.from_pretrained(args.model)
-    dtype = resolve_dtype(args.dtype)
-    per_page = state_bytes(cfg, 2, args.page_size, 1, dtype) - state_bytes(cfg, 1, args.page_size, 1, dtype)
-    return max(1, int(args.kv_cache_memory * 2**30 // max(per_page, 1)))
 
 
 if __name__ == "__main__":

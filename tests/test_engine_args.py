@@ -38,3 +38,16 @@ def test_generate_has_the_engine_flags_and_its_own_sampling_seed():
 def test_llm_refuses_unknown_keywords():
     with pytest.raises(TypeError, match="max_num_seq"):
         LLM(max_num_seq=4)
+
+
+def test_kv_cache_memory_sizes_the_pool_from_llm_and_the_cli(tiny_model_path):
+    """kv_cache_memory (GiB) is an EngineArgs field: LLM takes it, serve and generate have the flag."""
+    from atlas_jax.engine.llm import pages_for_memory
+    from atlas_jax.state.cache import state_bytes
+    llm = LLM(tiny_model_path, dtype="float32", page_size=8, max_num_seqs=2, max_model_len=64, warmup=False,
+              compile_cache_dir="", kv_cache_memory=0.001)
+    per_page = state_bytes(llm.cfg, 2, 8, 1, llm.dtype) - state_bytes(llm.cfg, 1, 8, 1, llm.dtype)
+    assert llm.num_pages == int(0.001 * 2**30 // per_page) == pages_for_memory(llm.cfg, llm.dtype, 8, 0.001)
+    assert EngineArgs.from_cli(parse_args(["--kv-cache-memory", "2.5"])).kv_cache_memory == 2.5
+    with pytest.raises(ValueError, match="not both"):
+        LLM(tiny_model_path, dtype="float32", num_pages=8, kv_cache_memory=1.0, warmup=False, compile_cache_dir="")

@@ -23,6 +23,8 @@ class EngineArgs:
                          choices=KERNELS)
     page_size: int = _knob(16, "tokens per KV page")
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
+    kv_cache_memory: float | None = _knob(None, "KV pool size in GiB, instead of num-pages (default: num-pages' "
+                                          "default)")
     max_num_seqs: int = _knob(8, "running sequences (= recurrent-state slots)")
     max_model_len: int | None = _knob(None, "prompt + output tokens per request (default: min(config, 4096))")
     max_prefill_chunk: int = _knob(256, "prompt tokens per sequence per step")

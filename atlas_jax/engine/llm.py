@@ -40,6 +40,15 @@ def resolve_dtype(dtype) -> jnp.dtype:
     return jnp.dtype(dtype)
 
 
+def pages_for_memory(cfg: ModelConfig, dtype, page_size: int, gib: float) -> int:
+    """KV pages of `page_size` tokens that fit in `gib` GiB for this model (at least one)."""
+    from ..state.cache import state_bytes
+    if not gib > 0:
+        raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {gib!r}")
+    per_page = state_bytes(cfg, 2, page_size, 1, dtype) - state_bytes(cfg, 1, page_size, 1, dtype)
+    return max(1, int(gib * 2**30 // max(per_page, 1)))
+
+
 class LLM:
     """model: HF checkpoint dir (None = embedded default); the other keywords are EngineArgs' fields
     (engine/args.py: vLLM's names and their meaning). warmup=True compiles every step bucket up
@@ -61,8 +70,13 @@ class LLM:
         self.dtype = resolve_dtype(a.dtype)
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
         self.max_model_len = int(a.max_model_len or min(self.cfg.max_position_embeddings, 4096))
+        num_pages = a.num_pages
+        if a.kv_cache_memory is not None:
+            if num_pages is not None:
+                raise ValueError("give num_pages or kv_cache_memory, not both")
+            num_pages = pages_for_memory(self.cfg, self.dtype, a.page_size, a.kv_cache_memory)
         self.engine = EngineCore(
-            self.cfg, params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=a.num_pages,
+            self.cfg, params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=num_pages,
             max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
