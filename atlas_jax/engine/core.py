@@ -16,12 +16,12 @@ import weakref
 import numpy as np
 
 from ..config import ModelConfig
+from ..errors import InvalidRequestError
+from ..frontend.detokenizer import IncrementalDetokenizer
 from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.cache import snapshot_bytes
 from ..state.prefix_cache import PrefixCache
-from ..frontend.detokenizer import IncrementalDetokenizer
-from ..errors import InvalidRequestError
 from .lora import LoRAManager, LoRARequest
 from .outputs import CompletionOutput, RequestOutput
 from .runner import ModelRunner, RowInput

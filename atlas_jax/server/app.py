@@ -4,8 +4,8 @@ serving_completions.py and serving_chat.py (the generating routes), metrics.py (
 
 Every response carries x-request-id; errors use OpenAI's shape {"error": {message, type, param,
 code}}; every route but /health needs the API key when one is set (guard.py). Loading / unloading
-LoRA adapters at runtime is refused (403) unless allow_runtime_lora_updating. Streams are server-sent events ending with
-`data: [DONE]`. A client that goes away aborts its request (the stream generator is closed, which
+LoRA adapters at runtime is refused (403) unless allow_runtime_lora_updating. Streams are server-sent
+events ending with `data: [DONE]`. A client that goes away aborts its request (the stream generator is closed, which
 aborts it on the engine thread). --request-timeout ends a request with finish_reason "timeout".
 """
 from __future__ import annotations
@@ -18,14 +18,13 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
-from ..errors import InvalidRequestError
 from ..engine.client import LoRARequest
-from ..errors import LoRAError, UnknownAdapterError
-from . import serving_chat, serving_completions
+from ..errors import InvalidRequestError, LoRAError, UnknownAdapterError
 from ..frontend.chat import ChatTemplate
+from ..frontend.parsers import resolve_reasoning_parser, resolve_tool_parser
+from . import serving_chat, serving_completions
 from .guard import JSON, APIError, Guard, error_response, error_type, read_json
 from .metrics import Metrics, path_label
-from ..frontend.parsers import resolve_reasoning_parser, resolve_tool_parser
 from .protocol import DetokenizeRequest, LoadLoRAAdapterRequest, TokenizeRequest, UnloadLoRAAdapterRequest
 from .streams import ServerContext
 
@@ -114,7 +113,7 @@ def _add_service_routes(app: FastAPI, ctx: ServerContext) -> None:
         if not request.app.state.allow_runtime_lora_updating:
             raise APIError(403, "loading and unloading LoRA adapters at runtime is off; start the server with "
                                 "--allow-runtime-lora-updating", "permission_error")
-        ctx.check_capacity()                    # never report success to a client of a dead engine
+        ctx.check_serving()                     # never report success to a client of a dead engine
         return ctx.loras
 
     @app.post("/v1/load_lora_adapter")

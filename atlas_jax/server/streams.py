@@ -73,7 +73,8 @@ class ServerContext:
                        + (" and its LoRA adapters" if self.loras is not None else ""),
                        param="model", code="model_not_found")
 
-    def check_capacity(self) -> None:
+    def check_serving(self) -> None:
+        """503 unless the engine is running, warmed up and not draining (capacity: `reserve`)."""
         e = self.engine
         if e.is_draining:
             raise APIError(503, "server is shutting down; retry later", "service_unavailable",
@@ -88,7 +89,7 @@ class ServerContext:
         of its adapters, with the engine serving."""
         body = await read_json(request, body_cls, self.engine.offload)
         lora = self.check_model(body.model)
-        self.check_capacity()
+        self.check_serving()
         return body, lora
 
     def check_size(self, num_prompts: int, params) -> None:
