@@ -126,13 +126,18 @@ def test_order_independence_and_replay(llm, alone):
     assert_no_leaks(llm)
 
 
-def test_swap_round_trip_is_bit_exact(llm):
+@pytest.mark.parametrize("chunk", [None, 2])
+def test_swap_round_trip_is_bit_exact(llm, chunk, monkeypatch):
+    """Swap moves pages in fixed chunks (one executable per direction); 2-page chunks: a sequence spans several."""
+    if chunk:
+        monkeypatch.setattr(llm.runner, "swap_chunk", chunk)
     eng = llm.engine
     req = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     seq = req.seqs[0]
     while seq.num_cached < 50:
         eng.step()
     used = seq.pages[:llm.blocks.pages_for(seq.num_cached)]
+    assert len(used) > 2 * (chunk or 0) + 1
     saved = llm.runner.save_sequence_state(used, seq.slot)
     new_pages = llm.blocks.allocate(len(used))
     new_slot = llm.slots.allocate(1)[0]

@@ -38,6 +38,7 @@ from .sampling_params import SamplingParams
 from .steps import EngineState
 
 _GREEDY = SamplingParams(temperature=0.0)
+SWAP_CHUNK_PAGES = 32        # swap moves a sequence's pages in calls of this many (one executable per direction)
 
 
 @dataclasses.dataclass
@@ -117,6 +118,7 @@ class ModelRunner:
         self.mixed_decode_buckets = mixed_decode_buckets(self.decode_buckets)
         self.verify_sizes = list(range(2, max_verify_tokens + 1))    # K buckets: last token + K - 1 drafts
         self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
+        self.swap_chunk = min(SWAP_CHUNK_PAGES, bucket(max_pages_per_seq))   # pages per swap executable call
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
         self.self_drafts = self_drafts                               # a compiled self-speculative draft step
         self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
@@ -133,8 +135,10 @@ class ModelRunner:
             "verify": jax.jit(functools.partial(steps.verify_step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
             "draft": jax.jit(functools.partial(steps.self_draft_step, cfg, kernels, max_verify_tokens - 1),
                              donate_argnums=(1,)),
-            "save": jax.jit(steps.save, donate_argnums=(1,)),
-            "restore": jax.jit(steps.restore, donate_argnums=(1,)),
+            "save_pages": jax.jit(steps.save_pages, donate_argnums=(1,)),
+            "save_slot": jax.jit(steps.save_slot, donate_argnums=(1,)),
+            "restore_pages": jax.jit(steps.restore_pages, donate_argnums=(1,)),
+            "restore_slot": jax.jit(steps.restore_slot, donate_argnums=(1,)),
             "snapshot": jax.jit(steps.take_snapshot, donate_argnums=(1,)),
             "prefix": jax.jit(steps.load_prefix, donate_argnums=(1,)),
             "adapter": jax.jit(steps.load_adapter, donate_argnums=(1,)),
@@ -168,9 +172,6 @@ class ModelRunner:
         shapes = [((b, k),) for k in self.verify_sizes for b in self.decode_buckets]
         top = (self.decode_buckets[-1], self.verify_sizes[-1])
         return shapes + [(top, (bp, tp)) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
-
-    def swap_buckets(self) -> list[int]:
-        return powers_of_two(self.max_pages_per_seq)
 
     def _prefill_shape(self, rows) -> tuple[int, int]:
         n = max(len(r.tokens) for r in rows)
@@ -387,26 +388,31 @@ class ModelRunner:
         return [logits[i, :len(r.tokens)] for i, r in enumerate(rows)]
 
     # ---- swap (preemption) ------------------------------------------------------------------
+    def _swap_chunks(self, pages: list[int], pad: int) -> list[jax.Array]:
+        """`pages` as [swap_chunk] id columns, the last padded with `pad` (at least one column)."""
+        c = self.swap_chunk
+        return [jnp.asarray(np.array(list(pages[i:i + c]) + [pad] * (c - len(pages[i:i + c])), np.int32))
+                for i in range(0, max(len(pages), 1), c)]
+
     def save_sequence_state(self, pages: list[int], slot: int):
-        """Host copy (numpy pytree) of a sequence's KV pages, recurrent slot and penalty history."""
-        nb = bucket(len(pages))
-        ids = jnp.asarray(np.array(list(pages) + [0] * (nb - len(pages)), np.int32))
-        saved = self._run("save", ids, jnp.asarray(slot, jnp.int32))
-        host = jax.device_get(saved)
-        kv = tuple((k[:len(pages)], v[:len(pages)]) for k, v in host[0])
-        return (kv,) + tuple(host[1:])
+        """Host copy (numpy pytree) of a sequence's KV pages, recurrent slot and penalty history:
+        (kv per pool (k [n, ...], v [n, ...]), ssm per layer, in_prompt, out_count)."""
+        chunks = [self._run("save_pages", ids) for ids in self._swap_chunks(pages, 0)]
+        chunks, slot_state = jax.device_get((chunks, self._run("save_slot", jnp.asarray(slot, jnp.int32))))
+        kv = tuple(tuple(np.concatenate([ch[pool][j] for ch in chunks])[:len(pages)] for j in (0, 1))
+                   for pool in range(len(chunks[0])))
+        return (kv,) + tuple(slot_state)
 
     def restore_sequence_state(self, pages: list[int], slot: int, saved) -> None:
         """Write a `save_sequence_state` copy into `pages` (same count) and `slot`, bit-exactly."""
         kv_host = saved[0]
         if kv_host and len(kv_host[0][0]) != len(pages):
             raise ValueError(f"saved state has {len(kv_host[0][0])} pages; {len(pages)} given")
-        nb = bucket(len(pages))
-        pad = nb - len(pages)
-        ids = jnp.asarray(np.array(list(pages) + [self.num_pages] * pad, np.int32))
-        kv = tuple((np.concatenate([k, np.zeros((pad,) + k.shape[1:], k.dtype)]),
-                    np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])) for k, v in kv_host)
-        self._run("restore", ids, jnp.asarray(slot, jnp.int32), (kv,) + tuple(saved[1:]))
+        c = self.swap_chunk
+        for i, ids in enumerate(self._swap_chunks(pages, self.num_pages)):
+            part = tuple(tuple(_pad_rows(x[i * c:(i + 1) * c], c) for x in kv) for kv in kv_host)
+            self._run("restore_pages", ids, part)
+        self._run("restore_slot", jnp.asarray(slot, jnp.int32), tuple(saved[1:]))
 
     # ---- prefix cache (state/prefix_cache.py) -------------------------------------------------
     def take_snapshot(self, slot: int, state_idx: int, snap: int) -> None:
@@ -450,7 +456,7 @@ class ModelRunner:
         if self.self_drafts:
             jobs += [("draft", b) for b in self.decode_buckets]
         if swap:
-            jobs += [(kind, nb) for nb in self.swap_buckets() for kind in ("save", "restore")]
+            jobs += [(kind, None) for kind in ("save_pages", "save_slot", "restore_pages", "restore_slot")]
         if score:
             jobs += [("logits", ((1, tp),)) for tp in self.prefill_token_buckets]
         if prefix:
@@ -499,10 +505,18 @@ class ModelRunner:
             args = (i32(), {key: (jax.ShapeDtypeStruct((a.shape[0], a.shape[2]), jnp.float32),
                                   jax.ShapeDtypeStruct(b.shape[1:], jnp.float32))
                             for key, (a, b) in self.state.lora.items()})
+        elif kind in ("save_pages", "restore_pages"):
+            ids = i32(self.swap_chunk)
+            args = (ids,) + ((jax.eval_shape(steps.save_pages, None, self.state, ids)[0],)
+                             if kind == "restore_pages" else ())
         else:
-            saved = jax.eval_shape(lambda st: steps.save(None, st, jnp.zeros(shape, jnp.int32), jnp.int32(0))[0], self.state)
-            args = (i32(shape), i32()) + ((saved,) if kind == "restore" else ())
+            args = (i32(),) + ((jax.eval_shape(steps.save_slot, None, self.state, i32())[0],)
+                               if kind == "restore_slot" else ())
         return args
+
+
+def _pad_rows(x: np.ndarray, n: int) -> np.ndarray:
+    return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)]) if len(x) < n else x
 
 
 class MapBudgetError(RuntimeError):

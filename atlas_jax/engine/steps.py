@@ -111,25 +111,36 @@ def logits_step(cfg, kernels, params, state: EngineState, segments):
     return logits, dataclasses.replace(state, model=model)
 
 
-def save(params, state: EngineState, pages, slot):
-    """Copy of one sequence's device state: its KV pages (target and MTP), recurrent slot, penalty history."""
+def save_pages(params, state: EngineState, pages):
+    """Copy of KV pages `pages` [C] in every pool (target and MTP): swap-out, one chunk of a sequence's pages."""
     del params
-    kv = tuple((k[pages], v[pages]) for k, v in state.model.kv + state.draft_kv)
+    return tuple((k[pages], v[pages]) for k, v in state.model.kv + state.draft_kv), state
+
+
+def save_slot(params, state: EngineState, slot):
+    """Copy of one slot's recurrent state and penalty history: swap-out's per-sequence part."""
+    del params
     ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
-    return (kv, ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
+    return (ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
 
 
-def restore(params, state: EngineState, pages, slot, saved):
-    """Inverse of `save` into (possibly other) pages and slot; pages == num_pages are dropped."""
+def restore_pages(params, state: EngineState, pages, saved):
+    """Inverse of `save_pages` into (possibly other) pages; pages == num_pages are dropped (padding)."""
     del params
-    kv_s, ssm_s, in_prompt, out_count = saved
     kv = tuple((k.at[pages].set(ks, mode="drop"), v.at[pages].set(vs, mode="drop"))
-               for (k, v), (ks, vs) in zip(state.model.kv + state.draft_kv, kv_s))
+               for (k, v), (ks, vs) in zip(state.model.kv + state.draft_kv, saved))
     n = len(state.model.kv)
+    return None, dataclasses.replace(state, model=dataclasses.replace(state.model, kv=kv[:n]), draft_kv=kv[n:])
+
+
+def restore_slot(params, state: EngineState, slot, saved):
+    """Inverse of `save_slot` into (possibly another) slot."""
+    del params
+    ssm_s, in_prompt, out_count = saved
     ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
     pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
                        state.penalties.out_count.at[slot].set(out_count))
-    return None, dataclasses.replace(state, model=ModelState(kv=kv[:n], ssm=ssm), penalties=pen, draft_kv=kv[n:])
+    return None, dataclasses.replace(state, model=dataclasses.replace(state.model, ssm=ssm), penalties=pen)
 
 
 def take_snapshot(params, state: EngineState, slot, idx, snap):
