@@ -77,6 +77,9 @@ def parse_args(argv=None):
     ap.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                     help="LoRA adapters (PEFT directories) served from the start, each chosen by a request's "
                          "'model' field: name=path, or a JSON object {\"name\": ..., \"path\": ...} (needs --enable-lora)")
+    ap.add_argument("--full-warmup", action="store_true", help="compile every step shape before /health turns "
+                    "200 (default: the largest shapes, which run any batch; the rest compile in the background "
+                    "while serving, and batches of those shapes run padded until then)")
     ap.add_argument("--log-level", default="info")
     return ap.parse_args(argv)
 
@@ -128,7 +131,7 @@ def main(argv=None) -> None:
             llm.add_lora(req)
         except LoRAError as e:
             raise SystemExit(f"--lora-modules {req.lora_name}={req.lora_path}: {e}") from None
-    engine = AsyncLLM.from_llm(llm, warmup=True)       # compiles in the engine thread; /health is 503 until done
+    engine = AsyncLLM.from_llm(llm, warmup=True if args.full_warmup else "background")   # /health 503 until ready
     name = args.served_model_name or os.path.basename(os.path.normpath(llm.model_path))
     app = build_app(engine, served_model_name=name, api_key=args.api_key, chat_template=args.chat_template,
                     request_timeout=args.request_timeout, max_waiting=args.max_waiting,

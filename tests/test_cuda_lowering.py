@@ -160,5 +160,5 @@ def test_engine_step_lowers_for_cuda(compiled_kernel_engine, kind, shape):
     for CUDA with every mixer and the MoE in Triton kernels: the XLA parts of the step lower too."""
     runner = compiled_kernel_engine.runner
     spec = lambda tree: jax.tree.map(lambda x: SPEC(x.shape, x.dtype), tree)
-    module = lower(runner._jitted[kind], spec(runner.params), spec(runner.state), *runner.abstract_args(kind, shape))
+    module = lower(runner.exes.jitted[kind], spec(runner.params), spec(runner.state), *runner.abstract_args(kind, shape))
     _assert_triton(module)

@@ -38,7 +38,7 @@ class ScriptedEngine:
         self.max_model_len, self.vocab_size, self.num_pages, self.num_slots, self.loras = \
             4096, self.tokenizer.vocab_size, 1, 1, None
         self._stats = {"running": 0, "waiting": 0, "swapped": 0, "free_pages": 1, "free_slots": 1,
-                       "num_failed_requests": 0, "num_compiles": 0, "num_aborted": {}, "prefix_cache": None,
+                       "num_failed_requests": 0, "num_compiles": 0, "warmup_pending": 0, "num_aborted": {}, "prefix_cache": None,
                        "spec": None}
         self.is_draining, self.is_running, self.is_ready, self.errored, self.num_in_flight = False, True, True, None, 0
         self.replies, self.prompts = [], []

@@ -41,14 +41,15 @@ class AsyncLLM:
         self._init(LLM(model, **llm_kwargs))
 
     @classmethod
-    def from_llm(cls, llm, warmup: bool = False) -> "AsyncLLM":
-        """warmup=True: the engine thread compiles every step bucket before it takes requests;
-        until then `is_ready` is False (the server answers 503) and add_request refuses."""
+    def from_llm(cls, llm, warmup: bool | str = False) -> "AsyncLLM":
+        """warmup=True: the engine thread compiles every step shape before it takes requests; "background":
+        the largest shapes (they run any batch), then it serves while a thread compiles the rest
+        (executables.py). Until then `is_ready` is False (the server answers 503) and add_request refuses."""
         self = cls.__new__(cls)
         self._init(llm, warmup)
         return self
 
-    def _init(self, llm, warmup: bool = False) -> None:
+    def _init(self, llm, warmup: bool | str = False) -> None:
         self.llm = llm
         self.engine: EngineCore = llm.engine
         self.tokenizer = llm.tokenizer
@@ -182,6 +183,7 @@ class AsyncLLM:
         self._prep.shutdown(wait=False, cancel_futures=True)
         self._commands.put(("wake",))
         self._thread.join(timeout)
+        self.engine.runner.exes.close()       # a background warm-up stops after its current compile
 
     # ---- engine thread -----------------------------------------------------------------------
     def _push(self, request_id: str, item) -> None:
@@ -235,7 +237,8 @@ class AsyncLLM:
     def _loop(self) -> None:
         try:
             if self._warmup:
-                self.llm.num_warmup_compiles += self.engine.warmup(progress=False)
+                self.llm.num_warmup_compiles += self.engine.warmup(progress=False,
+                                                                   background=self._warmup == "background")
                 self._ready.set()
             while not self._stop.is_set():
                 block = not self.engine.has_unfinished()

@@ -510,7 +510,8 @@ class EngineCore:
         return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
                 "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
-                "num_compiles": self.num_compiles, "num_steps": self.num_steps,
+                "num_compiles": self.num_compiles, "warmup_pending": self.runner.exes.pending,
+                "num_steps": self.num_steps,
                 "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
                 "prefix_cache": self.prefix_cache_stats(), "lora": self.lora_stats()}
 
@@ -549,9 +550,11 @@ class EngineCore:
                   snapshot_bytes=c.num_snapshots_used * snapshot_bytes(self.cfg, self.runner.dtype))
         return st
 
-    def warmup(self, progress: bool = True) -> int:
+    def warmup(self, progress: bool = True, background: bool = False) -> int:
+        """Compile the serving executables (background: the largest shapes now, the rest in a thread)."""
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress,
-                                  score=self._score is not None, prefix=self.prefix_cache is not None)
+                                  score=self._score is not None, prefix=self.prefix_cache is not None,
+                                  background=background)
 
 
 def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):

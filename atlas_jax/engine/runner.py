@@ -1,9 +1,9 @@
 """ModelRunner: owns the params and the device state, and runs compiled steps.
 
 Every step is a tuple of padded-dense segments (batch.py) compiled ahead of time
-(`jit(...).lower(...).compile()`) per shape bucket and kept in `self._executables`;
+(`jit(...).lower(...).compile()`) per shape bucket and kept in `self.exes` (executables.py);
 `num_compiles` counts every compilation, so a recompile in serving is visible. The buckets
-(`step_shapes`, all compiled by `warmup`):
+(`step_shapes`; `warmup` compiles the largest first, buckets.py):
   decode:  one segment [Bd, 1], Bd a power of two <= bucket(max_num_seqs);
   mixed:   a decode segment [Bm, 1] (padding rows where fewer decode) + a prefill segment
            [Bp, Tp], Bp a power of two <= max_prefill_rows, Tp in prefill_token_buckets; Bm in
@@ -25,7 +25,6 @@ import numpy as np
 
 from ..batch import StepBatch
 from ..config import ModelConfig
-from ..host_memory import memory_maps
 from ..kernels import XLA, Kernels
 from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
@@ -33,6 +32,8 @@ from ..models.decoder import lm_head_weight
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_snapshots, init_state
 from . import steps
+from .buckets import bucket, maximal, mixed_decode_buckets, powers_of_two, prefill_token_buckets  # noqa: F401
+from .executables import Executables, MapBudgetError  # noqa: F401 (re-exported)
 from .sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
 from .steps import EngineState
@@ -63,35 +64,6 @@ def draft_vocab(params, ids) -> dict:
     """The MTP head's draft vocabulary: its token ids [n] and the lm_head's columns for them [H, n]."""
     ids = jnp.asarray(ids, jnp.int32)
     return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params), ids, axis=1)}
-
-
-def bucket(n: int, cap: int | None = None) -> int:
-    b = 1 << max(0, (n - 1).bit_length())
-    return min(b, cap) if cap else b
-
-
-def powers_of_two(cap: int) -> list[int]:
-    return [1 << i for i in range(bucket(cap).bit_length())]
-
-
-def mixed_decode_buckets(decode_buckets: list[int]) -> list[int]:
-    """Decode-segment sizes of mixed steps: the decode buckets from max(16, Bd_max / 4) up (at most three; Bd_max
-    alone when it is <= 16). A mixed step is compute-bound on CPU, so every padding row costs a prompt token's work: with
-    only Bd_max, a 64-slot engine ran 60 padding rows beside 4 decoding ones. Below 16 rows the padding is
-    small beside the >= 16-token prefill segment, and the compiles (|these| x |prefill shapes|) stay few."""
-    top = decode_buckets[-1]
-    return [b for b in decode_buckets if b >= min(top, max(16, top // 4))]
-
-
-def prefill_token_buckets(max_chunk: int) -> list[int]:
-    """Tp buckets: 16, 64, then doubling (128, 256, ...) below max_chunk, and max_chunk itself. From 64
-    tokens up a chunk is padded to less than twice its length (a step's cost there grows with its tokens);
-    below, a step costs mostly its weight sweep, so fewer buckets."""
-    out, t = [], 16
-    while t < max_chunk:
-        out.append(t)
-        t = t * 4 if t < 64 else t * 2
-    return out + [max_chunk]
 
 
 class ModelRunner:
@@ -129,7 +101,7 @@ class ModelRunner:
                                  self._init_lora_pool(lora_slots, lora_rank, dtype))
         self.num_snapshots = num_snapshots
         self.dtype = dtype
-        self._jitted = {
+        jitted = {
             "step": jax.jit(functools.partial(steps.step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
             "logits": jax.jit(functools.partial(steps.logits_step, cfg, kernels), donate_argnums=(1,)),
             "verify": jax.jit(functools.partial(steps.verify_step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
@@ -143,8 +115,7 @@ class ModelRunner:
             "prefix": jax.jit(steps.load_prefix, donate_argnums=(1,)),
             "adapter": jax.jit(steps.load_adapter, donate_argnums=(1,)),
         }
-        self._executables: dict[tuple, object] = {}
-        self.num_compiles = 0
+        self.exes = Executables(jitted, self.params, self.state)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     def _init_lora_pool(self, slots: int, rank: int, dtype) -> dict:
@@ -233,15 +204,12 @@ class ModelRunner:
                 ids[i, j], bias[i, j] = t, v
         return {"bias_ids": ids, "bias": bias, "bias_only": only}
 
+    @property
+    def num_compiles(self) -> int:
+        return self.exes.num_compiles
+
     def _executable(self, kind: str, args):
-        """The compiled `kind` step for these argument shapes (concrete or abstract), compiled on first use."""
-        key = (kind,) + tuple((a.shape, a.dtype) for a in jax.tree.leaves(args))   # np / jnp dtypes hash alike
-        exe = self._executables.get(key)
-        if exe is None:
-            exe = self._jitted[kind].lower(self.params, self.state, *args).compile()
-            self._executables[key] = exe
-            self.num_compiles += 1
-        return exe
+        return self.exes.get(kind, args)
 
     def state_lost(self) -> bool:
         """True when a step consumed the donated state without returning a new one (it failed on the
@@ -264,20 +232,18 @@ class ModelRunner:
             raise ValueError(f"{len(decode)} decode rows; the largest bucket is {self.decode_buckets[-1]}")
         if any(len(r.tokens) != 1 for r in decode):
             raise ValueError("decode rows carry exactly one token")
-        if prefill and not decode:
-            segments = (self._segment(prefill, *self._prefill_shape(prefill)),)
-            sampling_rows = list(prefill)
-        elif prefill:
-            bd = next(b for b in self.mixed_decode_buckets if b >= len(decode))
-            segments = (self._segment(decode, bd, 1), self._segment(prefill, *self._prefill_shape(prefill)))
-            sampling_rows = list(decode) + [None] * (bd - len(decode)) + list(prefill)
+        if prefill and decode:
+            want = ((next(b for b in self.mixed_decode_buckets if b >= len(decode)), 1), self._prefill_shape(prefill))
         else:
-            segments = (self._segment(decode, bucket(len(decode)), 1),)
-            sampling_rows = list(decode)
+            want = (self._prefill_shape(prefill),) if prefill else ((bucket(len(decode)), 1),)
+        shape = self.exes.choose("step", want)
+        groups = tuple(g for g in (decode, prefill) if g)
+        segments = tuple(self._segment(rows, *seg) for rows, seg in zip(groups, shape))
+        pad = shape[0][0] - len(decode) if decode and prefill else 0     # a mixed step's padding decode rows
+        sampling_rows = list(decode) + [None] * pad + list(prefill)
         b = sum(s.tokens.shape[0] for s in segments)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         sampling = self._sampling(sampling_rows, b)
-        groups = tuple(g for g in (decode, prefill) if g)
         out, drafts = self._run("step", segments, sampling, self._prompt_lens(segments, groups),
                                 self._mtp_in(segments, groups, sampling_rows))
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
@@ -297,13 +263,13 @@ class ModelRunner:
         if k not in self.verify_sizes:
             raise ValueError(f"{k - 1} drafts in a row; this engine verifies up to {len(self.verify_sizes)}")
         if prefill:
-            b, k = self.decode_buckets[-1], self.verify_sizes[-1]
+            want = ((self.decode_buckets[-1], self.verify_sizes[-1]), self._prefill_shape(prefill))
         else:
-            b = bucket(len(rows))
+            want = ((bucket(len(rows)), k),)
+        shape = self.exes.choose("verify", want)
+        (b, k) = shape[0]
         rows = [dataclasses.replace(r, tokens=list(r.tokens) + list(d)) for r, d in zip(rows, drafts)]
-        segments = (self._segment(rows, b, k),)
-        if prefill:
-            segments += (self._segment(prefill, *self._prefill_shape(prefill)),)
+        segments = tuple(self._segment(g, *seg) for g, seg in zip((rows, prefill), shape))
         draft_cols = np.full((b, k), -1, np.int32)
         for i, d in enumerate(drafts):
             draft_cols[i, :len(d)] = d
@@ -336,7 +302,7 @@ class ModelRunner:
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
         """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""
-        b = bucket(len(rows))
+        ((b, _),) = self.exes.choose("draft", ((bucket(len(rows)), 1),))
         caps_col = np.zeros((b,), np.int32)
         caps_col[:len(caps)] = caps
         drafts = np.asarray(self._run("draft", self._segment(rows, b, 1), caps_col))
@@ -372,7 +338,8 @@ class ModelRunner:
         for s in range(0, len(ids), chunk):
             row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot, state_idx=state_idx)
             if warmed:
-                t = next(t for t in self.prefill_token_buckets if t >= len(row.tokens))
+                ((_, t),) = self.exes.choose("logits", ((1, next(t for t in self.prefill_token_buckets
+                                                                  if t >= len(row.tokens))),))
                 (logits,) = self._run("logits", (self._segment([row], 1, t),))
                 out.append(np.asarray(logits)[0, :len(row.tokens)])
             else:
@@ -447,14 +414,11 @@ class ModelRunner:
         self._run("adapter", jnp.asarray(slot, jnp.int32), full)
 
     # ---- warm-up ----------------------------------------------------------------------------
-    def warmup(self, swap: bool = False, progress: bool = True, score: bool = False, prefix: bool = False) -> int:
-        """Compile every serving bucket now (lowered from abstract shapes, nothing runs).
-        Returns the number of new compilations."""
-        from tqdm import tqdm
-        before = self.num_compiles
+    def warmup_jobs(self, swap: bool = False, score: bool = False, prefix: bool = False) -> list:
+        """(kind, shape) of every executable serving can use."""
         jobs = [("step", s) for s in self.step_shapes()] + [("verify", s) for s in self.verify_shapes()]
         if self.self_drafts:
-            jobs += [("draft", b) for b in self.decode_buckets]
+            jobs += [("draft", ((b, 1),)) for b in self.decode_buckets]
         if swap:
             jobs += [(kind, None) for kind in ("save_pages", "save_slot", "restore_pages", "restore_slot")]
         if score:
@@ -463,15 +427,14 @@ class ModelRunner:
             jobs += [("prefix", None)] + ([("snapshot", None)] if self.num_snapshots else [])
         if self.lora:
             jobs += [("adapter", None)]
-        maps_before = memory_maps()
-        for i, (kind, shape) in enumerate(tqdm(jobs, desc="atlas_jax warm-up: compiling", unit="step",
-                                               disable=not progress)):
-            self._compile_abstract(kind, shape)
-            _check_map_budget(maps_before, i + 1, len(jobs))
-        return self.num_compiles - before
+        return jobs
 
-    def _compile_abstract(self, kind, shape) -> None:
-        self._executable(kind, self.abstract_args(kind, shape))
+    def warmup(self, swap: bool = False, progress: bool = True, score: bool = False, prefix: bool = False,
+               background: bool = False) -> int:
+        """Compile every serving shape now (lowered from abstract shapes, nothing runs), or (background)
+        the maximal ones now and the rest in a thread (executables.py). Returns the compilations done."""
+        return self.exes.warmup(self.warmup_jobs(swap, score, prefix), self.abstract_args, background=background,
+                                progress=progress)
 
     def abstract_args(self, kind: str, shape) -> tuple:
         """ShapeDtypeStructs of a `kind` step's arguments after (params, state) for one bucket."""
@@ -481,7 +444,8 @@ class ModelRunner:
             return StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b),
                              i32(b) if self.lora else None)
         if kind == "draft":
-            args = (segment(shape, 1), i32(shape))
+            b = shape[0][0]
+            args = (segment(b, 1), i32(b))
         elif kind == "logits":
             args = (tuple(segment(b, t) for b, t in shape),)
         elif kind in ("step", "verify"):
@@ -517,25 +481,3 @@ class ModelRunner:
 
 def _pad_rows(x: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([x, np.zeros((n - len(x),) + x.shape[1:], x.dtype)]) if len(x) < n else x
-
-
-class MapBudgetError(RuntimeError):
-    """Warm-up would hold more memory mappings than the kernel allows (vm.max_map_count)."""
-
-
-def _check_map_budget(before: tuple[int, int] | None, done: int, total: int) -> None:
-    """Raise MapBudgetError once the warm-up's executables so far, extrapolated to all `total`, would pass
-    95% of vm.max_map_count: XLA would otherwise fail (or abort) in a later compile or while serving."""
-    if before is None or done < 4:
-        return
-    now = memory_maps()
-    if now is None:
-        return
-    per_exe = max(0, now[0] - before[0]) / done
-    projected = now[0] + per_exe * (total - done)
-    if projected > 0.95 * now[1]:
-        raise MapBudgetError(
-            f"warm-up compiles {total} executables holding ~{per_exe:.0f} memory mappings each: ~{projected:.0f} "
-            f"mappings in all, over this machine's vm.max_map_count ({now[1]}). Raise it (sysctl -w "
-            f"vm.max_map_count=262144) or compile fewer buckets (lower max_num_seqs, max_prefill_rows, "
-            f"max_prefill_chunk or num_drafts).")

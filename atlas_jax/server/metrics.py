@@ -29,7 +29,9 @@ class Metrics:
         gauge("atlas_free_kv_pages", "Free KV pages", "free_pages")
         gauge("atlas_free_state_slots", "Free recurrent-state slots", "free_slots")
         gauge("atlas_failed_requests", "Requests the engine failed alone (step containment)", "num_failed_requests")
-        gauge("atlas_num_compiles", "Compiled executables (constant after warm-up)", "num_compiles")
+        gauge("atlas_num_compiles", "Compiled executables (constant once warm-up is done)", "num_compiles")
+        gauge("atlas_warmup_pending", "Step shapes warm-up has yet to compile (served padded meanwhile)",
+              "warmup_pending")
         Gauge("atlas_kv_pages", "KV pages in the pool", registry=r).set(engine.num_pages)
         Gauge("atlas_state_slots", "Recurrent-state slots", registry=r).set(engine.num_slots)
         Gauge("atlas_aborted_requests", "Requests ended before their finish (client gone: abort)", registry=r
