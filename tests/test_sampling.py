@@ -161,7 +161,7 @@ def test_allowed_token_ids_min_tokens_bad_words_truncate(default_llm):
     plain = llm.generate(prompt, SamplingParams(max_tokens=8, **greedy))[0].outputs[0].token_ids
     words = [llm.tokenizer.decode(plain[i:i + 2]) for i in range(len(plain) - 1)]
     word = next(w for i, w in enumerate(words) if llm.tokenizer.encode(w) == plain[i:i + 2])   # round-trips
-    banned = llm.engine._bad_word_ids([word])
+    banned = llm.engine.inputs.bad_word_ids([word])
     out = llm.generate(prompt, SamplingParams(max_tokens=8, bad_words=[word], **greedy))[0].outputs[0].token_ids
     assert out != plain
     for w in banned:

@@ -26,7 +26,8 @@ import threading
 from typing import AsyncIterator
 
 from .client import FINISHED as _Finished
-from .core import EngineCore, Request
+from .core import EngineCore
+from .request import Request
 from ..errors import EngineDeadError, RequestFailedError
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams

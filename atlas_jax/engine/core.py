@@ -7,74 +7,26 @@ a ValueError and never disturbs the ones in flight.
 """
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import time
-import weakref
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import InvalidRequestError
-from ..frontend.detokenizer import IncrementalDetokenizer
 from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.cache import snapshot_bytes
 from ..state.prefix_cache import PrefixCache
 from .lora import LoRAManager, LoRARequest
-from .outputs import CompletionOutput, RequestOutput
+from .input_processor import InputProcessor
+from .request import Request
 from .runner import ModelRunner, RowInput
-from .sampler import BIAS_COLUMNS
-from .sampling_params import SamplingParams, _is_int
-from .scheduler import ScheduledStep, Scheduler, SchedulerConfig, default_watermark
+from .sampling_params import SamplingParams
+from .scheduler import SchedulerOutput, Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
-from .speculative import (MtpProposer, NgramProposer, ScriptedProposer, SelfProposer, SpecStats, SpeculativeConfig,
-                          wants_drafts)
+from .speculative import SpecStats, SpeculativeConfig, draft_caps, make_proposer, wants_drafts
 
 log = logging.getLogger("atlas_jax.engine")
-
-
-class Request:
-    """One client request: its n sequences and what has been streamed of them."""
-
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-                 seqs: list[Sequence], lora: tuple[str, int] | None = None):
-        self.request_id, self.prompt, self.prompt_ids, self.params, self.seqs = request_id, prompt, prompt_ids, params, seqs
-        self.lora = lora                       # (adapter name, registration uid) or None (the base model)
-        self._sent = [(0, 0)] * len(seqs)      # (text chars, tokens) already streamed per sequence (delta kind)
-        self.error: str | None = None
-        self.prompt_logprobs: list | None = None
-        self.lora_pin = None                   # weakref.finalize releasing its adapter's host-copy pin
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
-
-    def output(self) -> RequestOutput:
-        """Everything so far, as a snapshot: nothing in it is an object the engine goes on mutating."""
-        return self._output([(0, 0)] * len(self.seqs))
-
-    def take_delta(self) -> RequestOutput:
-        """What is new since the last take_delta (streaming's `delta` output kind); marks it sent."""
-        out = self._output(self._sent)
-        self._sent = [(prev_chars + len(c.text), prev_ids + len(c.token_ids))
-                      for (prev_chars, prev_ids), c in zip(self._sent, out.outputs)]
-        return out
-
-    def _output(self, sent) -> RequestOutput:
-        outs = []
-        for (sent_text, sent_ids), s in zip(sent, self.seqs):
-            text = s.detok.visible_text(s.finished) if s.detok is not None else ""
-            outs.append(CompletionOutput(
-                index=len(outs), text=text[sent_text:], token_ids=s.output_ids[sent_ids:],
-                finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                logprobs=None if s.logprobs is None else s.logprobs[sent_ids:],
-                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None))
-        return RequestOutput(request_id=self.request_id, prompt=self.prompt, prompt_token_ids=list(self.prompt_ids),
-                             outputs=outs, finished=self.finished, metrics=dataclasses.replace(self.seqs[0].metrics),
-                             error=self.error, prompt_logprobs=self.prompt_logprobs,
-                             num_cached_tokens=self.seqs[0].num_prefix_cached or 0)
 
 
 class EngineCore:
@@ -122,19 +74,20 @@ class EngineCore:
         budget = max_num_batched_tokens or max(512, max_prefill_chunk)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= 1 (prefill tokens per step)")
+        page_bytes, slot_bytes = self.runner.swap_bytes()
         self.sched_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
             max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,
-            swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages))
+            swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages),
+            page_bytes=page_bytes, slot_bytes=slot_bytes)
         self.prefix_cache = PrefixCache(
             self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
             recurrent=bool(cfg.recurrent_layers)) if enable_prefix_caching else None
-        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, _Swapper(self.runner),
-                                   self.prefix_cache, self.lora)
+        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, self.prefix_cache, self.lora)
         self.requests: dict[str, Request] = {}
-        self._seed_rng = np.random.default_rng(seed)
-        self._order = itertools.count()
-        self._ids = itertools.count()
+        self.inputs = InputProcessor(tokenizer, vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
+                                     max_model_len=max_model_len, page_size=page_size, num_pages=self.num_pages,
+                                     prompt_logprobs=enable_prompt_logprobs, lora=self.lora, seed=seed)
         self.num_steps = 0
         self.step_requests: list[str] = []           # request ids of the step being run (named if it kills the engine)
         self.num_failed_requests = 0                 # failed alone by step containment
@@ -154,107 +107,12 @@ class EngineCore:
 
     # ---- requests ---------------------------------------------------------------------------
     def encode(self, prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError("this model has no tokenizer.json; pass token ids instead of text", "prompt")
-            return prompt, self.tokenizer.encode(prompt)
-        if not isinstance(prompt, (list, tuple, np.ndarray)) or not all(_is_int(t) for t in prompt):
-            raise InvalidRequestError("a prompt is a string or a list of integer token ids", "prompt")
-        ids = [int(t) for t in prompt]
-        self._check_vocab(ids, "prompt")
-        return None, ids
-
-    def _check_vocab(self, ids, param: str) -> None:
-        bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
-        if bad:
-            raise InvalidRequestError(f"{param} token ids {bad[:5]} are outside the vocabulary "
-                                      f"[0, {self.cfg.vocab_size})", param)
+        return self.inputs.encode(prompt)
 
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                      lora_request: LoRARequest | str | None = None, client: str | None = None) -> Request:
-        """Validate and build a request without queueing it; raises ValueError when it can never run.
-        Touches no engine state, so any thread may call it. lora_request: a LoRARequest (registered and
-        read from disk here if new), a registered adapter's name, or None (the base model). client: who
-        sent it (the scheduler admits clients fairly); None: the one anonymous client."""
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        lora = self._lookup_lora(lora_request, params)           # pins the adapter's host copy
-        try:
-            req = self._make_request(prompt, params, request_id, lora, client)
-        except BaseException:
-            if lora is not None:
-                self.lora.unpin(*lora)
-            raise
-        if lora is not None:                                     # unpinned when it leaves the engine, or
-            req.lora_pin = weakref.finalize(req, self.lora.unpin, *lora)   # when it is dropped unsubmitted
-        return req
-
-    def _make_request(self, prompt, params: SamplingParams, request_id, lora, client) -> Request:
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
-        text, ids = self.encode(prompt)
-        if not ids:
-            raise InvalidRequestError("prompt is empty", "prompt")
-        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-            ids = ids[len(ids) - params.truncate_prompt_tokens:]
-            text = self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else None
-        room = self.max_model_len - len(ids)
-        if room < 1:
-            raise InvalidRequestError(f"prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
-                                      f"(the prompt must leave room for at least one new token)", "prompt")
-        if params.max_tokens is not None and params.max_tokens > room:
-            raise InvalidRequestError(
-                f"max_tokens is too large: this model's maximum context length is {self.max_model_len} tokens and "
-                f"the prompt has {len(ids)}, so at most {room} new tokens fit; {params.max_tokens} were asked for",
-                "max_tokens")
-        self._check_vocab(params.stop_token_ids, "stop_token_ids")
-        self._check_vocab([t for t, _ in params.logit_bias], "logit_bias")
-        self._check_vocab(params.allowed_token_ids or (), "allowed_token_ids")
-        if params.prompt_logprobs is not None and self._score is None:
-            raise InvalidRequestError("prompt_logprobs needs an engine started with enable_prompt_logprobs=True "
-                                      "(--enable-prompt-logprobs)", "prompt_logprobs")
-        bad_words = self._bad_word_ids(params.bad_words)
-        width = (len(params.logit_bias) + len(params.allowed_token_ids or ()) + len(bad_words)
-                 + (len(params.stop_token_ids) + len(self.cfg.eos_token_ids) if params.min_tokens else 0))
-        if width > BIAS_COLUMNS:
-            raise InvalidRequestError(f"logit_bias, allowed_token_ids, bad_words and (with min_tokens) stop_token_ids "
-                                      f"together adjust {width} tokens; at most {BIAS_COLUMNS}", "logit_bias")
-        max_len = len(ids) + (room if params.max_tokens is None else params.max_tokens)
-        if self.blocks.pages_for(max_len) > self.num_pages:
-            raise InvalidRequestError(f"request needs {self.blocks.pages_for(max_len)} KV pages of "
-                                      f"{self.blocks.page_size} tokens; the cache has {self.num_pages}")
-        seqs = []
-        for i in range(params.n):
-            seed = (params.seed + i) % 2**32 if params.seed is not None else int(self._seed_rng.integers(2**32))
-            detok = (IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens, params.stop,
-                                            params.include_stop_str_in_output) if self.tokenizer is not None else None)
-            seqs.append(Sequence(request_id=request_id, prompt=text, prompt_ids=ids, params=params, seed=seed,
-                                 max_len=max_len, order=next(self._order), detok=detok,
-                                 eos_ids=tuple(self.cfg.eos_token_ids), bad_word_ids=bad_words,
-                                 lora_name=lora[0] if lora else None, cache_key=lora[1] if lora else 0,
-                                 client=client))
-        req = Request(request_id, text, ids, params, seqs, lora)
-        for s in seqs:
-            s.request = req
-            if self.scheduler.cache is not None and s is not seqs[0]:
-                s.fork_leader = seqs[0]             # forks from the first one's cached prompt
-        return req
-
-    def _lookup_lora(self, lora_request, params: SamplingParams) -> tuple[str, int] | None:
-        if lora_request is None:
-            return None
-        if self.lora is None:
-            raise InvalidRequestError("this engine serves no LoRA adapters (start it with enable_lora=True / "
-                                      "--enable-lora)", "lora_request")
-        if params.prompt_logprobs is not None:
-            raise InvalidRequestError("prompt_logprobs is not served under a LoRA adapter", "prompt_logprobs")
-        return self.lora.lookup(lora_request)
-
-    def _bad_word_ids(self, words) -> tuple[tuple[int, ...], ...]:
-        """Each bad word's token ids, alone and after a space (as vLLM: both spellings a model may use)."""
-        if words and self.tokenizer is None:
-            raise InvalidRequestError("bad_words needs a tokenizer", "bad_words")
-        out = {tuple(self.tokenizer.encode(v)) for w in words for v in (w, " " + w.lstrip())}
-        return tuple(sorted(t for t in out if t))
+        """Validate and build a request without queueing it (input_processor.py; any thread)."""
+        return self.inputs.make_request(prompt, params, request_id, lora_request, client)
 
     def submit(self, req: Request) -> None:
         """Queue a request built by make_request (engine thread only)."""
@@ -266,6 +124,8 @@ class EngineCore:
             self.lora.use(*req.lora)                    # the adapter cannot be unloaded until it ends
         self.requests[req.request_id] = req
         for s in req.seqs:
+            if self.scheduler.cache is not None and s is not req.seqs[0]:
+                s.fork_leader = req.seqs[0]             # forks from the first one's cached prompt
             self.scheduler.add(s)
 
     def _prompt_logprobs(self, ids: list[int], top: int) -> list:
@@ -310,6 +170,7 @@ class EngineCore:
         then dead). Host work after the device ran is contained per row (`_contain`)."""
         self.step_requests = []
         plan = self.scheduler.schedule()
+        self.runner.apply_ops(plan.ops)              # swaps, prefix loads, snapshots: before anything runs
         failed = self._scheduler_failures(plan)
         self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
         if plan.empty:
@@ -325,7 +186,7 @@ class EngineCore:
                         e, len(plan.decode) + len(plan.prefill))
             return failed + self._isolate(plan)
 
-    def _scheduler_failures(self, plan: ScheduledStep) -> list[Request]:
+    def _scheduler_failures(self, plan: SchedulerOutput) -> list[Request]:
         """Fail the requests whose adapter slot could not be loaded while scheduling (their siblings leave
         the plan with them); raised only if that load consumed the device state."""
         failures, self.scheduler.failed = self.scheduler.failed, []
@@ -341,7 +202,7 @@ class EngineCore:
         plan.prefill = [(s, n) for s, n in plan.prefill if not s.finished]
         return list(touched.values())
 
-    def _run(self, plan: ScheduledStep, speculate: bool) -> list[Request]:
+    def _run(self, plan: SchedulerOutput, speculate: bool) -> list[Request]:
         now = time.monotonic()
         if speculate and self.proposer is not None and plan.decode:
             drafts = self._drafts(plan.decode)
@@ -362,13 +223,13 @@ class EngineCore:
             self.spec_stats.record_decode(len(plan.decode), len(plan.decode))
         return self._finish_step(touched)
 
-    def _isolate(self, plan: ScheduledStep) -> list[Request]:
+    def _isolate(self, plan: SchedulerOutput) -> list[Request]:
         """Run each sequence of a failed plan alone; fail the requests whose own step raises."""
         touched = {}
         for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
             if seq.finished or seq not in self.scheduler.running:
                 continue                                  # failed with a sibling, or preempted
-            solo = ScheduledStep(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)])
+            solo = SchedulerOutput(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)])
             try:
                 touched.update((r.request_id, r) for r in self._run(solo, speculate=False))
             except Exception as e:
@@ -440,18 +301,8 @@ class EngineCore:
 
     # ---- speculative decoding ---------------------------------------------------------------
     def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Drafts per decoding sequence, capped by num_drafts, the tokens the request may still emit
-        (a verify emits up to drafts + 1) and the pages that can be had without preempting. A row
-        still feeding its prompt's last token gets none: the first token always comes from a plain
-        sample, however the prompt was chunked or served from the prefix cache, so a seeded
-        request's random stream never depends on that."""
-        caps = []
-        for s in seqs:
-            room = s.max_len - s.num_tokens - 1
-            cap = min(self.speculative.num_drafts, room) if wants_drafts(s) and s.output_ids else 0
-            if cap > 0:
-                cap = min(cap, self.scheduler.lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
-            caps.append(max(cap, 0))
+        """Drafts per decoding sequence, within speculative.draft_caps."""
+        caps = draft_caps(seqs, self.speculative.num_drafts, self.scheduler.lookahead)
         drafts = self.proposer.propose(seqs, caps)
         return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
 
@@ -555,44 +406,3 @@ class EngineCore:
         return self.runner.warmup(swap=self.sched_config.preemption_mode == "swap", progress=progress,
                                   score=self._score is not None, prefix=self.prefix_cache is not None,
                                   background=background)
-
-
-def make_proposer(spec: SpeculativeConfig, engine: "EngineCore"):
-    if spec.method == "mtp":
-        if not engine.runner.state.draft_kv:
-            raise ValueError("speculative method 'mtp' needs a checkpoint with mtp.* tensors (none were loaded)")
-        return MtpProposer()
-    if spec.method == "ngram":
-        return NgramProposer(spec.ngram_min, spec.ngram_max)
-    if spec.method == "self":
-        if not engine.cfg.recurrent_layers:
-            raise ValueError("speculative method 'self' drafts with the attention layers only; this model has "
-                             "no recurrent layers to skip")
-        return SelfProposer(engine)
-    if spec.method == "scripted":
-        return ScriptedProposer(spec.propose)
-    raise ValueError(f"speculative method {spec.method!r} is not available yet")
-
-
-class _Swapper:
-    """The scheduler's view of the runner for swap preemption."""
-
-    def __init__(self, runner: ModelRunner):
-        self.runner = runner
-
-    def save(self, pages, slot):
-        return self.runner.save_sequence_state(pages, slot)
-
-    def restore(self, pages, slot, state) -> None:
-        self.runner.restore_sequence_state(pages, slot, state)
-
-    def take_snapshot(self, slot, state_idx, snap) -> None:
-        self.runner.take_snapshot(slot, state_idx, snap)
-
-    def load_prefix(self, slot, snap, cow, tokens, prompt_len) -> None:
-        self.runner.load_prefix(slot, snap, cow, tokens, prompt_len)
-
-    @staticmethod
-    def nbytes(state) -> int:
-        import jax
-        return sum(np.asarray(a).nbytes for a in jax.tree.leaves(state))

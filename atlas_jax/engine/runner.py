@@ -36,6 +36,7 @@ from .buckets import bucket, maximal, mixed_decode_buckets, powers_of_two, prefi
 from .executables import Executables, MapBudgetError  # noqa: F401 (re-exported)
 from .sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, init_penalty_state
 from .sampling_params import SamplingParams
+from .scheduler import LoadPrefix, Snapshot, SwapIn, SwapOut
 from .steps import EngineState
 
 _GREEDY = SamplingParams(temperature=0.0)
@@ -353,6 +354,28 @@ class ModelRunner:
         (logits,) = self._run("logits", (self._segment(rows, bucket(len(rows)), t),))
         logits = np.asarray(logits)
         return [logits[i, :len(r.tokens)] for i, r in enumerate(rows)]
+
+    # ---- state operations (scheduler.py's plan ops, applied in order before a step) ----------
+    def apply_ops(self, ops) -> None:
+        for op in ops:
+            if isinstance(op, SwapOut):
+                op.seq.swapped_state = self.save_sequence_state(list(op.pages), op.slot)
+            elif isinstance(op, SwapIn):
+                self.restore_sequence_state(list(op.pages), op.slot, op.seq.swapped_state)
+                op.seq.swapped_state = None
+            elif isinstance(op, Snapshot):
+                self.take_snapshot(op.slot, op.state_idx, op.snap)
+            elif isinstance(op, LoadPrefix):
+                self.load_prefix(op.slot, op.snap, op.cow, list(op.tokens), op.prompt_len)
+            else:
+                raise TypeError(f"unknown state operation {op!r}")
+
+    def swap_bytes(self) -> tuple[int, int]:
+        """(host bytes of one swapped-out page, of one swapped-out slot): the scheduler's swap-space accounting."""
+        size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        pages = jax.eval_shape(steps.save_pages, None, self.state, jax.ShapeDtypeStruct((1,), jnp.int32))
+        return size(pages[0]), size(jax.eval_shape(steps.save_slot, None, self.state,
+                                                   jax.ShapeDtypeStruct((), jnp.int32))[0])
 
     # ---- swap (preemption) ------------------------------------------------------------------
     def _swap_chunks(self, pages: list[int], pad: int) -> list[jax.Array]:

@@ -24,10 +24,8 @@ import jax.numpy as jnp
 
 from ..models.decoder import argmax
 
-from .sampling_params import MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS  # noqa: F401 (the device's bounds)
-
-BIAS_COLUMNS = 512       # per-step logit adjustments per row (logit_bias, allowed ids, min_tokens / bad_words bans)
-NO_BIAS = 2**31 - 1      # bias_ids padding: out of any vocabulary, dropped by the scatter
+from .sampling_params import (BIAS_COLUMNS, MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS,  # noqa: F401
+                              NO_BIAS)                                    # (the device's bounds)
 
 
 @jax.tree_util.register_dataclass

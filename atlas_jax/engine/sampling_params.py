@@ -18,6 +18,8 @@ from ..errors import InvalidRequestError
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 128     # logit_bias entries per request
 MAX_ALLOWED_TOKENS = 256  # allowed_token_ids per request
+BIAS_COLUMNS = 512       # per-step logit adjustments per row (logit_bias, allowed ids, min_tokens / bad_words bans)
+NO_BIAS = 2**31 - 1      # bias_ids padding: out of any vocabulary, dropped by the scatter
 
 OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 INT32_MAX = 2**31 - 1

@@ -64,12 +64,54 @@ class SchedulerConfig:
     preemption_mode: str = "swap"
     swap_space_bytes: int = 4 << 30
     watermark_pages: int = 1
+    page_bytes: int = 0              # host bytes of one page swapped out (every KV pool)
+    slot_bytes: int = 0              # host bytes of one slot swapped out (recurrent state + penalty history)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapOut:
+    """seq.swapped_state := a host copy of `pages` (its cached KV), `slot`'s recurrent state and penalty history."""
+    seq: Sequence
+    pages: tuple[int, ...]
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class SwapIn:
+    """`pages` and `slot` := seq.swapped_state (bit-exact); the host copy is dropped."""
+    seq: Sequence
+    pages: tuple[int, ...]
+    slot: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """Snapshot `snap` := `slot`'s recurrent state at position state_idx."""
+    slot: int
+    state_idx: int
+    snap: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadPrefix:
+    """`slot` starts on a cached prefix: recurrent state from snapshot `snap` (None: none), page cow[1] :=
+    page cow[0] (copy-on-write of a partly used page), penalty history rebuilt from `tokens`."""
+    slot: int
+    snap: int | None
+    cow: tuple[int, int] | None
+    tokens: tuple[int, ...]
+    prompt_len: int
+
+
+StateOp = SwapOut | SwapIn | Snapshot | LoadPrefix
 
 
 @dataclasses.dataclass
-class ScheduledStep:
+class SchedulerOutput:
+    """One step's plan. The runner applies `ops` in order before the forward (runner.apply_ops)."""
     decode: list[Sequence]                     # one token each
     prefill: list[tuple[Sequence, int]]        # (sequence, chunk length > 1)
+    ops: list[StateOp] = dataclasses.field(default_factory=list)   # state operations queued since the last plan
 
     @property
     def empty(self) -> bool:
@@ -77,17 +119,14 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator, swapper,
+    def __init__(self, config: SchedulerConfig, blocks: BlockAllocator, slots: SlotAllocator,
                  cache: PrefixCache | None = None, adapters=None):
-        """swapper: the device — save(pages, slot) -> host state, restore(pages, slot, state),
-        nbytes(state); with a cache also take_snapshot(slot, state_idx, snap) and
-        load_prefix(slot, snap, cow, tokens, prompt_len) (runner.py)."""
         if config.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {config.preemption_mode!r}")
         self.config = config
         self.blocks = blocks
         self.slots = slots
-        self.swapper = swapper
+        self.ops: list[StateOp] = []                         # queued for the next plan (state changes in order)
         self.cache = cache
         self.adapters = adapters                       # LoRAManager (acquire(uid) -> slot | None, release(slot))
         self.waiting: deque[Sequence] = deque()
@@ -112,7 +151,7 @@ class Scheduler:
             self.running.remove(seq)
         if seq in self.swapped:
             self.swapped.remove(seq)
-            self.swap_bytes -= self.swapper.nbytes(seq.swapped_state)
+            self.swap_bytes -= self._swap_size(seq)
             seq.swapped_state = None
         seq.fork_ready = True                           # never leave siblings waiting on a finished leader
         self._release(seq, snapshot=keep, register=keep)
@@ -155,7 +194,9 @@ class Scheduler:
         return seq.adapter_slot is not None
 
     # ---- one step ---------------------------------------------------------------------------
-    def schedule(self) -> ScheduledStep:
+    def schedule(self) -> SchedulerOutput:
+        """The next step's rows, with every state operation queued since the last plan (the scheduler
+        never touches the device: swaps, snapshots and prefix loads are ops the runner applies)."""
         cfg = self.config
         chosen: dict[Sequence, int] = {}
         self._swap_in()
@@ -169,8 +210,9 @@ class Scheduler:
             if self._grow(seq, seq.num_cached + n, chosen):
                 chosen[seq] = n
         self._admit(chosen)
-        return ScheduledStep(decode=[s for s, n in chosen.items() if n == 1],
-                             prefill=[(s, n) for s, n in chosen.items() if n > 1])
+        ops, self.ops = self.ops, []
+        return SchedulerOutput(decode=[s for s, n in chosen.items() if n == 1],
+                               prefill=[(s, n) for s, n in chosen.items() if n > 1], ops=ops)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """Tokens seq feeds next from position `start`: up to the chunk size, the budget and its next snap point."""
@@ -331,7 +373,8 @@ class Scheduler:
         """seq resumes at the cached prefix: its pages hold it (shared, or copied), and its slot
         gets the snapshot's recurrent state and the prefix's penalty history."""
         cow = (hit.cow_page, seq.pages[hit.length // self.blocks.page_size]) if hit.cow_page is not None else None
-        self.swapper.load_prefix(seq.slot, hit.snapshot, cow, seq.tokens_between(0, hit.length), len(seq.prompt_ids))
+        self.ops.append(LoadPrefix(seq.slot, hit.snapshot, cow, tuple(seq.tokens_between(0, hit.length)),
+                                   len(seq.prompt_ids)))
         seq.num_cached, seq.state_idx = hit.length, 0
         seq.nodes = list(hit.nodes)
         seq.last_snapshot = hit.length
@@ -354,7 +397,7 @@ class Scheduler:
         seq.last_snapshot = seq.num_cached
         sid = self.cache.new_snapshot(seq)
         if sid is not None:
-            self.swapper.take_snapshot(seq.slot, seq.state_idx, sid)
+            self.ops.append(Snapshot(seq.slot, seq.state_idx, sid))
         elif not self.cache.recurrent:
             self.cache.cover(seq)
 
@@ -368,12 +411,12 @@ class Scheduler:
         seq.metrics.num_preemptions += 1
         cached_pages = seq.pages[:self.blocks.pages_for(seq.num_cached)]
         if (mode or self.config.preemption_mode) == "swap" and seq.num_cached > 0:
-            state = self.swapper.save(cached_pages, seq.slot)
-            size = self.swapper.nbytes(state)
+            size = len(cached_pages) * self.config.page_bytes + self.config.slot_bytes
             if self.swap_bytes + size <= self.config.swap_space_bytes:
                 self.num_preemptions["swap"] += 1
+                self.ops.append(SwapOut(seq, tuple(cached_pages), seq.slot))
                 self._release(seq, snapshot=False)
-                seq.swapped_state, seq.status = state, Status.SWAPPED
+                seq.status = Status.SWAPPED
                 self.swap_bytes += size
                 i = next((i for i, s in enumerate(self.swapped) if s.order > seq.order), len(self.swapped))
                 self.swapped.insert(i, seq)
@@ -385,6 +428,10 @@ class Scheduler:
         seq.pending_drafts = []
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
+
+    def _swap_size(self, seq: Sequence) -> int:
+        """Host bytes of a swapped-out seq's copy (its cached pages and its slot)."""
+        return self.blocks.pages_for(seq.num_cached) * self.config.page_bytes + self.config.slot_bytes
 
     def _swap_in(self) -> None:
         cfg = self.config
@@ -398,9 +445,9 @@ class Scheduler:
             self.swapped.remove(seq)
             seq.slot = self.slots.allocate(1)[0]
             seq.pages = self.blocks.allocate(need)
-            self.swapper.restore(seq.pages, seq.slot, seq.swapped_state)
-            self.swap_bytes -= self.swapper.nbytes(seq.swapped_state)
-            seq.swapped_state, seq.status = None, Status.RUNNING
+            self.ops.append(SwapIn(seq, tuple(seq.pages), seq.slot))
+            self.swap_bytes -= self._swap_size(seq)
+            seq.status = Status.RUNNING
             self._insert_running(seq)
 
 

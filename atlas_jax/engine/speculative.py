@@ -181,6 +181,40 @@ class ScriptedProposer(Proposer):
         return [list(self.fn(s, k))[:k] if k > 0 else [] for s, k in zip(seqs, max_drafts)]
 
 
+def make_proposer(spec: SpeculativeConfig, engine) -> Proposer:
+    """The drafter of `spec` for an EngineCore (refused where the model cannot serve it)."""
+    if spec.method == "mtp":
+        if not engine.runner.state.draft_kv:
+            raise ValueError("speculative method 'mtp' needs a checkpoint with mtp.* tensors (none were loaded)")
+        return MtpProposer()
+    if spec.method == "ngram":
+        return NgramProposer(spec.ngram_min, spec.ngram_max)
+    if spec.method == "self":
+        if not engine.cfg.recurrent_layers:
+            raise ValueError("speculative method 'self' drafts with the attention layers only; this model has "
+                             "no recurrent layers to skip")
+        return SelfProposer(engine)
+    if spec.method == "scripted":
+        return ScriptedProposer(spec.propose)
+    raise ValueError(f"speculative method {spec.method!r} is not available yet")
+
+
+def draft_caps(seqs: list[Sequence], num_drafts: int, lookahead: Callable[[Sequence, int], int]) -> list[int]:
+    """Drafts each decoding sequence may get: num_drafts, capped by the tokens the request may still
+    emit (a verify emits up to drafts + 1) and by the pages `lookahead` can have without preempting. A
+    row still feeding its prompt's last token gets none: the first token always comes from a plain
+    sample, however the prompt was chunked or served from the prefix cache, so a seeded request's
+    random stream never depends on that."""
+    caps = []
+    for s in seqs:
+        room = s.max_len - s.num_tokens - 1
+        cap = min(num_drafts, room) if wants_drafts(s) and s.output_ids else 0
+        if cap > 0:
+            cap = min(cap, lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
+        caps.append(max(cap, 0))
+    return caps
+
+
 @dataclasses.dataclass
 class SpecStats:
     verify_steps: int = 0        # target steps that verified drafts
