@@ -234,7 +234,7 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(live, default_ll
 
     def broken(*a, **k):
         raise RuntimeError("tokenizer exploded")
-    monkeypatch.setattr(default_llm.engine, "encode", broken)
+    monkeypatch.setattr(default_llm.engine.inputs, "encode", broken)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     headers = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
     conn.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}), headers)

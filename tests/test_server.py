@@ -55,6 +55,10 @@ def server(default_llm, tiny_model_path, tmp_path_factory):
     else:
         proc.kill()
         raise RuntimeError("server did not become healthy")
+    for _ in range(1200):          # the background warm-up ends (its compiles come from the cache)
+        if _metric((base, proc), "atlas_warmup_pending") == 0:
+            break
+        time.sleep(0.1)
     yield base, proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
@@ -283,10 +287,6 @@ def test_fuzz_real_server(server):
     """The hypothesis bodies of test_robustness against the server process: no 5xx; afterwards an
     ordinary request is served, every KV page is free and nothing was compiled."""
     from test_robustness import fuzz
-    for _ in range(1200):                 # the background warm-up ends (its compiles come from the cache)
-        if _metric(server, "atlas_warmup_pending") == 0:
-            break
-        time.sleep(0.1)
     compiles = _metric(server, "atlas_num_compiles")
     with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}",
                                                    "content-type": "application/json"}, timeout=60) as c:
