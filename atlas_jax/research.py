@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .engine.runner import RowInput
+from .engine.input_batch import RowInput
 
 
 @dataclasses.dataclass

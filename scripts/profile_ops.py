@@ -28,7 +28,7 @@ from bench import MAKE, checkpoint_path  # noqa: E402
 from profile_step import step_inputs  # noqa: E402
 
 from atlas_jax import LLM  # noqa: E402
-from atlas_jax.engine.runner import RowInput  # noqa: E402
+from atlas_jax.engine.input_batch import RowInput  # noqa: E402
 
 _HOST_EVENTS = ("ThunkExecutor", "Common", "Pjit", "$", "Slinky", "Threadpool", "Allocate", "Handle", "Parse",
                 "Python", "Wait", "DevicePut", "end:")
@@ -43,11 +43,7 @@ def step_args(runner, batch: int, tokens: int):
     rows = [RowInput(tokens=[int(t) for t in np.random.default_rng(i).integers(1, runner.cfg.vocab_size, tokens)],
                      start=64, block_table=list(range(1, 1 + per_row)), slot=i, prompt_len=64 + tokens)
             for i in range(batch)]
-    segments = (runner._segment(rows, *runner._prefill_shape(rows)),)
-    groups, sampling_rows = (rows,), rows
-    b = sum(s.tokens.shape[0] for s in segments)
-    return (segments, runner._sampling(sampling_rows, b), runner._prompt_lens(segments, groups),
-            runner._mtp_in(segments, groups, sampling_rows))
+    return runner.batch.pack((rows,), (runner._prefill_shape(rows),), rows)
 
 
 def op_kinds(hlo: str, cfg) -> dict[str, str]:
@@ -109,7 +105,7 @@ def main():
         kind, step, _ = step_inputs(runner, args.batch, 1 if args.verify_off else 1 + args.num_drafts, True)
     else:
         step = step_args(runner, args.batch, args.tokens)
-    exe = runner._executable(kind, step)
+    exe = runner.exes.get(kind, step)
 
     def call():
         out, runner.state = exe(runner.params, runner.state, *step)

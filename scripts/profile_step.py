@@ -18,7 +18,8 @@ import jax
 import numpy as np
 
 from atlas_jax import LLM, SamplingParams
-from atlas_jax.engine.runner import RowInput, bucket
+from atlas_jax.engine.buckets import bucket
+from atlas_jax.engine.input_batch import RowInput
 
 
 def best_ms(fn, iters: int) -> float:
@@ -42,17 +43,15 @@ def step_inputs(runner, b: int, k: int, draft: bool, start: int = 64):
                      block_table=list(range(1 + (i * per_row if own else 0), 1 + (i * per_row if own else 0) + per_row)),
                      slot=i, prompt_len=start, draft_ok=draft)
             for i in range(b)]
-    segments = (runner._segment(rows, bucket(b), k),)
-    sampling = runner._sampling(rows, bucket(b))
-    mtp_in = runner._mtp_in(segments, (rows,), rows)
-    args = (segments, sampling, runner._prompt_lens(segments, (rows,)))
+    segments, sampling, prompt_lens, mtp_in = runner.batch.pack((rows,), ((bucket(b), k),), rows)
+    args = (segments, sampling, prompt_lens)
     if k > 1:
         args += (np.full((bucket(b), k), 7, np.int32),)
     return ("verify" if k > 1 else "step"), args + (mtp_in,), rows
 
 
 def time_executable(runner, kind, args, iters):
-    exe = runner._executable(kind, args)
+    exe = runner.exes.get(kind, args)
 
     def call():
         out, runner.state = exe(runner.params, runner.state, *args)

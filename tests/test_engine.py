@@ -9,8 +9,10 @@ import pytest
 from conftest import random_prompts
 
 from atlas_jax import SamplingParams
-from atlas_jax.engine.runner import RowInput, mixed_decode_buckets, powers_of_two, prefill_token_buckets
-from atlas_jax.engine.sampler import BIAS_COLUMNS, NO_BIAS, SamplingBatch, sample
+from atlas_jax.engine.buckets import mixed_decode_buckets, powers_of_two, prefill_token_buckets
+from atlas_jax.engine.input_batch import RowInput
+from atlas_jax.engine.sampler import SamplingBatch, sample
+from atlas_jax.engine.sampling_params import BIAS_COLUMNS, NO_BIAS
 
 
 def sampling_batch(**cols):
@@ -211,14 +213,14 @@ def test_mixed_steps_at_each_decode_bucket_equal_solo_runs(tiny_model_path):
     from atlas_jax import LLM
     llm = LLM(tiny_model_path, dtype="float32", page_size=8, max_num_seqs=32, max_model_len=80, max_prefill_chunk=16,
               max_prefill_rows=1, warmup=True, progress=False)
-    assert llm.runner.mixed_decode_buckets == [16, 32]
+    assert llm.runner.grid.mixed_decode_buckets == [16, 32]
     used = collections.Counter()
-    executable = llm.runner._executable
+    executable = llm.runner.exes.get
 
     def recording(kind, args):
         used[tuple(seg.tokens.shape for seg in args[0])] += kind == "step"
         return executable(kind, args)
-    llm.runner._executable = recording
+    llm.runner.exes.get = recording
     compiles = llm.num_compiles
     prompts = random_prompts(512, [20 + i % 9 for i in range(20)], seed=5)
     greedy = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
@@ -235,6 +237,6 @@ def test_no_compiled_step_copies_a_state_pool(default_llm):
     r = default_llm.runner
     pools = {",".join(map(str, a.shape)) for a in jax.tree.leaves(r.state.model)}
     copy = re.compile(r"= f32\[(" + "|".join(pools) + r")\]\S* copy\(")
-    for kind, shape in [("step", s) for s in r.step_shapes()] + [("verify", s) for s in r.verify_shapes()]:
-        text = r._executable(kind, r.abstract_args(kind, shape)).as_text()
+    for kind, shape in [("step", s) for s in r.grid.step_shapes()] + [("verify", s) for s in r.grid.verify_shapes()]:
+        text = r.exes.get(kind, r.abstract_args(kind, shape)).as_text()
         assert not [line for line in text.splitlines() if copy.search(line)], (kind, shape)

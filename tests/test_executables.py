@@ -122,7 +122,7 @@ def test_engine_serves_during_a_background_warmup_with_the_same_outputs(cold_llm
     finally:
         gate.set()
     assert exes.wait(300) and exes.pending == 0
-    compiled = cold_llm.num_compiles
-    assert compiled == default_llm.num_compiles
+    compiled = cold_llm.num_compiles                           # every warm-up job once (default_llm is shared:
+    assert compiled == len(cold_llm.runner.warmup_jobs(swap=True, prefix=True))   # other tests compile on it)
     again = [o.outputs[0].token_ids for o in cold_llm.generate(prompts, params)]
     assert again == want and cold_llm.num_compiles == compiled

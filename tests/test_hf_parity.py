@@ -133,10 +133,10 @@ def test_prompt_logprobs_match_hf(ckpt_dir):
         assert set(entry) == {ids[i], *map(int, top)}
         for t, v in entry.items():
             assert abs(v - ref[i - 1, t]) < 1e-4
-    assert llm.runner.prefill_token_buckets == [16, 32]         # chunks of 32 and 13 tokens: both buckets used
+    assert llm.runner.grid.prefill_token_buckets == [16, 32]         # chunks of 32 and 13 tokens: both buckets used
     compiled = llm.num_compiles
-    for tp in llm.runner.prefill_token_buckets:                 # what warm-up compiles for scoring
-        llm.runner.exes.compile("logits", ((1, tp),), llm.runner.abstract_args)
+    for tp in llm.runner.grid.prefill_token_buckets:                 # what warm-up compiles for scoring
+        llm.runner.exes.compile("score", ((1, tp),), llm.runner.abstract_args)
     assert llm.num_compiles == compiled
     plain = LLM(path, dtype="float32", page_size=4, max_num_seqs=2, max_model_len=128, warmup=False)
     with pytest.raises(ValueError, match="enable_prompt_logprobs"):

@@ -85,13 +85,15 @@ def test_victim_policy_never_evicts_a_busy_slot(qwen3_lora):
     never out of a slot a running sequence holds; every request gets its own adapter's tokens (also after
     a cached prefix under another adapter), and nothing compiles after warm-up."""
     llm, reqs, prompts, refs = qwen3_lora
-    manager = llm.engine.lora
-    loads, load_slot = [], manager._load_slot
+    manager, ops = llm.engine.lora, llm.engine.runner.state_ops
+    loads, load_adapter = [], ops.load_adapter
 
     def watched(slot, weights):
-        loads.append((slot, manager.refcount[slot]))
-        load_slot(slot, weights)
-    manager._load_slot = watched
+        # every sequence holding the slot runs the adapter being loaded (none of its old one's is left)
+        holders = {s.cache_key for s in llm.engine.scheduler.running if s.adapter_slot == slot}
+        loads.append((slot, holders <= {manager.slot_uid[slot]}))
+        load_adapter(slot, weights)
+    ops.load_adapter = watched
     compiles = llm.num_compiles
     try:
         rng = random.Random(1)
@@ -99,10 +101,10 @@ def test_victim_policy_never_evicts_a_busy_slot(qwen3_lora):
         outs = llm.generate([prompts[i] for _, i in cases], GREEDY,
                             lora_request=[None if n is None else reqs[n] for n, _ in cases])
     finally:
-        manager._load_slot = load_slot
+        del ops.load_adapter
     for (name, i), out in zip(cases, outs):
         assert out.outputs[0].token_ids == refs[name][i], (name, i)
-    assert len(loads) >= 3 and all(held == 0 for _, held in loads)      # evictions happened, none of a busy slot
+    assert len(loads) >= 3 and all(ok for _, ok in loads)      # evictions happened, none of a busy slot
     assert manager.refcount == [0, 0, 0]
     stats = llm.engine.stats()["lora"]
     assert stats["refcounts"] == [0, 0] and stats["num_promotions"] >= len(loads)
@@ -221,15 +223,15 @@ def test_a_failing_adapter_slot_update_fails_only_its_request(qwen3_lora):
     manager = llm.engine.lora
     y = LoRARequest("y", 12, reqs["b"].lora_path)
     llm.add_lora(y)
-    real, table = manager._load_slot, list(manager.slot_uid)
+    ops, table = llm.engine.runner.state_ops, list(manager.slot_uid)
 
     def broken(slot, weights):
         raise ValueError("Incompatible types for broadcasting")
-    manager._load_slot = broken
+    ops.load_adapter = broken
     try:
         outs = llm.generate([prompts[0], prompts[1], prompts[2]], GREEDY, lora_request=[None, y, None])
     finally:
-        manager._load_slot = real
+        del ops.load_adapter
     assert outs[1].outputs[0].finish_reason == "error" and "broadcasting" in outs[1].error
     assert [outs[0].outputs[0].token_ids, outs[2].outputs[0].token_ids] == [refs[None][0], refs[None][2]]
     assert all(u == t or u is None for u, t in zip(manager.slot_uid, table)) and manager.refcount == [0, 0, 0]

@@ -89,7 +89,7 @@ def test_a_fault_that_consumed_the_state_is_raised(default_llm, monkeypatch):
     import jax
     runner = default_llm.engine.runner
     backup = jax.tree.map(lambda x: x.copy(), runner.state)
-    real = runner._executable
+    real = runner.exes.get
 
     def faulty(kind, args):
         exe = real(kind, args)
@@ -98,7 +98,7 @@ def test_a_fault_that_consumed_the_state_is_raised(default_llm, monkeypatch):
             exe(params, state, *a)            # takes (donates) the state, then "faults"
             raise RuntimeError("device fault")
         return run
-    monkeypatch.setattr(runner, "_executable", faulty)
+    monkeypatch.setattr(runner.exes, "get", faulty)
     try:
         with pytest.raises(RuntimeError, match="device fault"):
             default_llm.generate([1, 2, 3], SamplingParams(max_tokens=2))
@@ -255,13 +255,13 @@ def test_a_request_failed_by_the_engine_gets_500_and_the_rest_go_on(live, defaul
     """Step containment over HTTP: a row whose packing raises (seed 666 here) fails its request alone."""
     client, engine, _ = live
     runner = default_llm.engine.runner
-    real = runner._sampling
+    real = runner.batch.sampling
 
     def sampling(rows, b):
         if any(r is not None and r.seed == 666 for r in rows):
             raise OverflowError("bad column")
         return real(rows, b)
-    monkeypatch.setattr(runner, "_sampling", sampling)
+    monkeypatch.setattr(runner.batch, "sampling", sampling)
     with httpx.Client(base_url=client.base_url, headers=client.headers, timeout=60) as other:
         good = other.send(client.build_request("POST", "/v1/completions", json={
             "prompt": "abc", "max_tokens": 40, "stream": True, **GREEDY}), stream=True)

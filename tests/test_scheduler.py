@@ -130,7 +130,7 @@ def test_order_independence_and_replay(llm, alone):
 def test_swap_round_trip_is_bit_exact(llm, chunk, monkeypatch):
     """Swap moves pages in fixed chunks (one executable per direction); 2-page chunks: a sequence spans several."""
     if chunk:
-        monkeypatch.setattr(llm.runner, "swap_chunk", chunk)
+        monkeypatch.setattr(llm.runner.state_ops, "swap_chunk", chunk)
     eng = llm.engine
     req = eng.add_request(PROMPTS[2], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     seq = req.seqs[0]
@@ -138,11 +138,11 @@ def test_swap_round_trip_is_bit_exact(llm, chunk, monkeypatch):
         eng.step()
     used = seq.pages[:llm.blocks.pages_for(seq.num_cached)]
     assert len(used) > 2 * (chunk or 0) + 1
-    saved = llm.runner.save_sequence_state(used, seq.slot)
+    saved = llm.runner.state_ops.save_sequence_state(used, seq.slot)
     new_pages = llm.blocks.allocate(len(used))
     new_slot = llm.slots.allocate(1)[0]
     try:
-        llm.runner.restore_sequence_state(new_pages, new_slot, saved)
+        llm.runner.state_ops.restore_sequence_state(new_pages, new_slot, saved)
         state = jax.device_get(llm.runner.state)
         for (k, v) in state.model.kv:
             np.testing.assert_array_equal(k[new_pages], k[used])

@@ -271,7 +271,7 @@ def test_every_k_up_to_8(engines):
     for n in range(1, 8):
         count["n"] = n
         assert _tokens(spec.generate(prompts[1:2], GREEDY)) == [script.truth[tuple(prompts[1])]]
-    ks = {key[1][0][1] for key in spec.runner._executables if key[0] == "verify"}
+    ks = {key[1][0][1] for key in spec.runner.exes._cache if key[0] == "verify"}
     assert ks == set(range(2, 9)), ks
 
 

@@ -7,6 +7,8 @@ compiles the maximal shapes first (they cover every batch) and the rest by cost 
 """
 from __future__ import annotations
 
+import dataclasses
+
 Shape = tuple                  # ((B, T), ...) per segment; None for the operations without a shape grid
 
 
@@ -54,3 +56,45 @@ def cost(shape: Shape) -> int:
 def maximal(shapes: list[Shape]) -> list[Shape]:
     """The shapes no other shape in `shapes` covers."""
     return [s for s in shapes if not any(o != s and covers(o, s) for o in shapes)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+    """An engine's bucket grid (runner.py's docstring has the policy)."""
+    decode_buckets: list[int]              # decode rows Bd: powers of two up to bucket(max_num_seqs)
+    prefill_row_buckets: list[int]         # prefill rows Bp: powers of two up to max_prefill_rows
+    prefill_token_buckets: list[int]       # prefill tokens Tp (prefill_token_buckets)
+    mixed_decode_buckets: list[int]        # a mixed step's decode rows (mixed_decode_buckets)
+    verify_sizes: list[int]                # verify K: the last token + K - 1 drafts, K >= 2
+
+    @classmethod
+    def create(cls, max_num_seqs: int, max_prefill_rows: int, max_prefill_chunk: int, max_verify_tokens: int):
+        decode = powers_of_two(max_num_seqs)
+        return cls(decode, powers_of_two(max_prefill_rows), prefill_token_buckets(max_prefill_chunk),
+                   mixed_decode_buckets(decode), list(range(2, max_verify_tokens + 1)))
+
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        return [(bp, tp) for tp in self.prefill_token_buckets for bp in self.prefill_row_buckets]
+
+    def step_shapes(self) -> list[Shape]:
+        """Every segment-shape tuple a step can run: decode alone, mixed, prefill alone."""
+        prefill = self.prefill_shapes()
+        return ([((b, 1),) for b in self.decode_buckets] + [((bm, 1), p) for bm in self.mixed_decode_buckets
+                                                             for p in prefill] + [(p,) for p in prefill])
+
+    def verify_shapes(self) -> list[Shape]:
+        """Every segment-shape tuple a verify step can run: [B, K] alone, and [B_max, K_max] + each prefill shape."""
+        if not self.verify_sizes:
+            return []
+        top = (self.decode_buckets[-1], self.verify_sizes[-1])
+        return ([((b, k),) for k in self.verify_sizes for b in self.decode_buckets]
+                + [(top, p) for p in self.prefill_shapes()])
+
+    def prefill_shape(self, rows: int, tokens: int) -> tuple[int, int]:
+        """The prefill segment for `rows` rows of up to `tokens` tokens."""
+        tp = next((t for t in self.prefill_token_buckets if t >= tokens), None)
+        bp = next((b for b in self.prefill_row_buckets if b >= rows), None)
+        if tp is None or bp is None:
+            raise ValueError(f"{rows} prefill rows of up to {tokens} tokens exceed the compiled buckets "
+                             f"(rows <= {self.prefill_row_buckets[-1]}, tokens <= {self.prefill_token_buckets[-1]})")
+        return bp, tp

@@ -10,26 +10,28 @@ from __future__ import annotations
 import logging
 import time
 
-import numpy as np
-
 from ..config import ModelConfig
+from ..errors import AdapterUnavailableError
 from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
-from ..state.cache import snapshot_bytes
+from ..state.cache import snapshot_slots
 from ..state.prefix_cache import PrefixCache
 from .lora import LoRAManager, LoRARequest
 from .input_processor import InputProcessor
 from .request import Request
-from .runner import ModelRunner, RowInput
+from .input_batch import RowInput
+from .introspection import EngineIntrospection
+from .plan import LoadAdapter, SchedulerOutput
+from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import SchedulerOutput, Scheduler, SchedulerConfig, default_watermark
+from .scheduler import Scheduler, SchedulerConfig, default_watermark
 from .sequence import Sequence
-from .speculative import SpecStats, SpeculativeConfig, draft_caps, make_proposer, wants_drafts
+from .speculative import SpecStats, SpeculativeConfig, make_proposer
 
 log = logging.getLogger("atlas_jax.engine")
 
 
-class EngineCore:
+class EngineCore(EngineIntrospection):
     def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
                  max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
                  max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
@@ -62,24 +64,25 @@ class EngineCore:
                                   mtp_layers=len(params.get("mtp", {}).get("layers", ())),
                                   mtp_token_ids=draft_token_ids,
                                   self_drafts=bool(speculative) and speculative.method == "self",
-                                  num_snapshots=self._num_snapshots(enable_prefix_caching, prefix_snapshot_bytes,
-                                                                    dtype, max_num_seqs),
+                                  num_snapshots=snapshot_slots(cfg, dtype, enable_prefix_caching,
+                                                               prefix_snapshot_bytes, max_num_seqs),
                                   lora_slots=lora["max_loras"] if lora else 0,
                                   lora_rank=lora["max_lora_rank"] if lora else 0)
-        self.lora = LoRAManager(cfg, lora["max_loras"], lora["max_lora_rank"], lora.get("max_cpu_loras"),
-                                self.runner.load_adapter) if lora else None
+        self.lora = LoRAManager(cfg, lora["max_loras"], lora["max_lora_rank"], lora.get("max_cpu_loras")) \
+            if lora else None
         self.speculative = speculative
         self.proposer = make_proposer(speculative, self) if speculative else None
         self.spec_stats = SpecStats()
         budget = max_num_batched_tokens or max(512, max_prefill_chunk)
         if budget < 1:
             raise ValueError(f"max_num_batched_tokens ({budget}) must be >= 1 (prefill tokens per step)")
-        page_bytes, slot_bytes = self.runner.swap_bytes()
+        page_bytes, slot_bytes = self.runner.state_ops.swap_bytes()
         self.sched_config = SchedulerConfig(
             max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
             max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,
             swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages),
-            page_bytes=page_bytes, slot_bytes=slot_bytes)
+            page_bytes=page_bytes, slot_bytes=slot_bytes, num_drafts=speculative.num_drafts if speculative else 0,
+            mtp_drafts=self.runner.mtp_drafts, max_model_len=max_model_len)
         self.prefix_cache = PrefixCache(
             self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
             recurrent=bool(cfg.recurrent_layers)) if enable_prefix_caching else None
@@ -93,22 +96,7 @@ class EngineCore:
         self.num_failed_requests = 0                 # failed alone by step containment
         self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
 
-    def _num_snapshots(self, enabled: bool, budget: int | None, dtype, max_num_seqs: int) -> int:
-        """Snapshot slots in `budget` bytes (default: 4 per running sequence, at least 16, within 2 GiB)."""
-        size = snapshot_bytes(self.cfg, dtype)
-        if not enabled or not size:
-            return 0
-        if budget is None:
-            return max(1, min(max(16, 4 * max_num_seqs), (2 << 30) // size))
-        if budget < size:
-            raise ValueError(f"prefix_snapshot_bytes ({budget}) is below one snapshot of this model's recurrent "
-                             f"state ({size} bytes)")
-        return budget // size
-
     # ---- requests ---------------------------------------------------------------------------
-    def encode(self, prompt) -> tuple[str | None, list[int]]:
-        return self.inputs.encode(prompt)
-
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                      lora_request: LoRARequest | str | None = None, client: str | None = None) -> Request:
         """Validate and build a request without queueing it (input_processor.py; any thread)."""
@@ -119,7 +107,8 @@ class EngineCore:
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         if req.params.prompt_logprobs is not None:
-            req.prompt_logprobs = self._prompt_logprobs(req.prompt_ids, req.params.prompt_logprobs)
+            req.prompt_logprobs = self.runner.score_prompt(req.prompt_ids, *self._score,
+                                                           self.sched_config.max_prefill_chunk, req.params.prompt_logprobs)
         if req.lora is not None:
             self.lora.use(*req.lora)                    # the adapter cannot be unloaded until it ends
         self.requests[req.request_id] = req
@@ -127,17 +116,6 @@ class EngineCore:
             if self.scheduler.cache is not None and s is not req.seqs[0]:
                 s.fork_leader = req.seqs[0]             # forks from the first one's cached prompt
             self.scheduler.add(s)
-
-    def _prompt_logprobs(self, ids: list[int], top: int) -> list:
-        """vLLM's prompt_logprobs: None for the first token, then per token {its id and the top `top`
-        ids: logprob given the tokens before it}; scored in prefill chunks on the scratch pages / slot."""
-        pages, slot = self._score
-        if len(ids) < 2:
-            return [None]
-        logits = self.runner.chunked_logits(ids[:-1], pages, slot, self.sched_config.max_prefill_chunk, warmed=True)
-        logp = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)        # row j predicts ids[j + 1]
-        best = np.argsort(-logp, axis=-1)[:, :top]
-        return [None] + [{int(t): float(logp[j, t]) for t in (ids[j + 1], *best[j])} for j in range(len(ids) - 1)]
 
     def add_request(self, prompt, params: SamplingParams, request_id: str | None = None,
                     lora_request: LoRARequest | str | None = None, client: str | None = None) -> Request:
@@ -170,8 +148,7 @@ class EngineCore:
         then dead). Host work after the device ran is contained per row (`_contain`)."""
         self.step_requests = []
         plan = self.scheduler.schedule()
-        self.runner.apply_ops(plan.ops)              # swaps, prefix loads, snapshots: before anything runs
-        failed = self._scheduler_failures(plan)
+        failed = self._apply(plan)                   # swaps, prefix / adapter loads, snapshots: before the step
         self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
         if plan.empty:
             if self.scheduler.has_work() and not failed:
@@ -186,14 +163,21 @@ class EngineCore:
                         e, len(plan.decode) + len(plan.prefill))
             return failed + self._isolate(plan)
 
-    def _scheduler_failures(self, plan: SchedulerOutput) -> list[Request]:
-        """Fail the requests whose adapter slot could not be loaded while scheduling (their siblings leave
-        the plan with them); raised only if that load consumed the device state."""
-        failures, self.scheduler.failed = self.scheduler.failed, []
-        if not failures:
-            return []
-        if self.runner.state_lost():
-            raise failures[0][1]
+    def _apply(self, plan: SchedulerOutput) -> list[Request]:
+        """Apply the plan's state ops in order. Contained: an adapter that could not be acquired while
+        scheduling, or whose LoadAdapter op raises (before the device ran), fails the requests that
+        asked for it; their siblings leave the plan with them. Anything else, or a lost state, raises."""
+        failures, self.scheduler.failed = list(self.scheduler.failed), []
+        for op in plan.ops:
+            try:
+                self.runner.state_ops.apply(op)
+            except Exception as e:
+                if not isinstance(op, LoadAdapter) or self.runner.state_lost():
+                    raise
+                self.lora.load_failed(op.slot, op.uid)
+                error = AdapterUnavailableError(f"adapter slot {op.slot} could not be loaded: {e!r}")
+                failures += [(s, error) for s in self.scheduler.running
+                             if s.adapter_slot == op.slot and s.cache_key == op.uid]
         touched = {}
         for seq, e in failures:
             if seq.request.request_id in self.requests:
@@ -203,24 +187,29 @@ class EngineCore:
         return list(touched.values())
 
     def _run(self, plan: SchedulerOutput, speculate: bool) -> list[Request]:
-        now = time.monotonic()
-        if speculate and self.proposer is not None and plan.decode:
-            drafts = self._drafts(plan.decode)
-            if any(drafts):
-                return self._verify_step(plan.decode, drafts, plan.prefill, now)
+        """One forward: a plain step, or a verify step when a decoding row has drafts."""
+        now, nd = time.monotonic(), len(plan.decode)
         work = [(s, 1) for s in plan.decode] + plan.prefill
         for s, _ in work:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        rows = [self.row(s, n) for s, n in work]
-        out = self.runner.step(rows[:len(plan.decode)], rows[len(plan.decode):])
+        drafts = self._drafts(plan) if speculate and self.proposer is not None and nd else [[]] * nd
+        rows = [self.row(s, n, s in plan.draft_ok) for s, n in work]
+        if any(drafts):
+            emitted, out = self.runner.verify(rows[:nd], drafts, rows[nd:])
+            self.spec_stats.verify_steps += 1
+        else:
+            out, emitted = self.runner.step(rows[:nd], rows[nd:]), None
         self._keep_drafts([s for s, _ in work], rows)
         self.num_steps += 1
+        if nd and self.proposer is not None:
+            self.spec_stats.record_decode(nd, sum(map(len, emitted)) if emitted else nd)
         touched = {}
         for i, (seq, n) in enumerate(work):
-            self._contain(seq, touched, lambda: self._advance(seq, n, out, i, touched))
-        if plan.decode and self.proposer is not None:
-            self.spec_stats.record_decode(len(plan.decode), len(plan.decode))
+            if i < nd and drafts[i]:
+                self._contain(seq, touched, lambda: self._accept(seq, drafts[i], emitted[i], touched))
+            else:
+                self._contain(seq, touched, lambda: self._advance(seq, n, out, i, touched))
         return self._finish_step(touched)
 
     def _isolate(self, plan: SchedulerOutput) -> list[Request]:
@@ -229,7 +218,8 @@ class EngineCore:
         for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
             if seq.finished or seq not in self.scheduler.running:
                 continue                                  # failed with a sibling, or preempted
-            solo = SchedulerOutput(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)])
+            solo = SchedulerOutput(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)],
+                                   draft_ok=plan.draft_ok)
             try:
                 touched.update((r.request_id, r) for r in self._run(solo, speculate=False))
             except Exception as e:
@@ -279,19 +269,14 @@ class EngineCore:
             if req.lora_pin is not None:
                 req.lora_pin()                                   # a finalize runs its callback once
 
-    def row(self, seq: Sequence, n: int, fed: int | None = None) -> RowInput:
-        """seq's next n tokens as a row; `fed` = tokens the row will really feed (n + drafts)."""
+    def row(self, seq: Sequence, n: int, draft_ok: bool = False) -> RowInput:
+        """seq's next n tokens as a row (draft_ok: the MTP head drafts from it, SchedulerOutput.draft_ok)."""
         end = seq.num_cached + n
-        row = RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
-                       params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
-                       state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
-                       logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
-                       adapter=seq.adapter_slot or 0)
-        k = self.runner.mtp_drafts
-        if k and end == seq.num_tokens and wants_drafts(seq):
-            need = seq.num_cached + (fed or n) + k - 1          # the MTP head writes KV up to the last draft
-            row.draft_ok = need <= self.max_model_len and self.scheduler.lookahead(seq, need) >= need
-        return row
+        return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
+                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
+                        state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
+                        logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
+                        adapter=seq.adapter_slot or 0, draft_ok=draft_ok)
 
     def _keep_drafts(self, seqs: list[Sequence], rows: list[RowInput]) -> None:
         """MTP: the drafts this step made for each row, to verify next step."""
@@ -300,40 +285,21 @@ class EngineCore:
             seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and row.draft_ok else []
 
     # ---- speculative decoding ---------------------------------------------------------------
-    def _drafts(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Drafts per decoding sequence, within speculative.draft_caps."""
-        caps = draft_caps(seqs, self.speculative.num_drafts, self.scheduler.lookahead)
-        drafts = self.proposer.propose(seqs, caps)
+    def _drafts(self, plan: SchedulerOutput) -> list[list[int]]:
+        """Drafts per decoding sequence, within the plan's draft caps."""
+        caps = [plan.draft_caps.get(s, 0) for s in plan.decode]
+        drafts = self.proposer.propose(plan.decode, caps)
         return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
 
-    def _verify_step(self, seqs: list[Sequence], drafts: list[list[int]], prefill: list[tuple[Sequence, int]],
-                     now: float) -> list[Request]:
-        for s in seqs + [s for s, _ in prefill]:
-            if s.metrics.first_scheduled_time is None:
-                s.metrics.first_scheduled_time = now
-        rows = [self.row(s, 1, 1 + len(d)) for s, d in zip(seqs, drafts)]
-        prefill_rows = [self.row(s, n) for s, n in prefill]
-        emitted, out = self.runner.verify(rows, drafts, prefill_rows)
-        self._keep_drafts(seqs + [s for s, _ in prefill], rows + prefill_rows)
-        self.num_steps += 1
-        self.spec_stats.verify_steps += 1
-        self.spec_stats.record_decode(len(seqs), sum(len(e) for e in emitted))
-        touched = {}
-        for j, (seq, n) in enumerate(prefill):
-            self._contain(seq, touched, lambda: self._advance(seq, n, out, len(seqs) + j, touched))
-        for i, (seq, d, toks) in enumerate(zip(seqs, drafts, emitted)):
-            self._contain(seq, touched, lambda: self._accept(seq, d, toks, out, i, touched))
-        return self._finish_step(touched)
-
-    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], out: dict, i: int, touched: dict) -> None:
-        """After a verify row: its accepted drafts and the target token, appended one by one."""
+    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], touched: dict) -> None:
+        """After a verify row with drafts: its accepted drafts and the target's token, appended one by one
+        (rows with drafts ask for no logprobs: speculative.wants_drafts)."""
         accepted = len(toks) - 1
-        if drafts:
-            self.spec_stats.record(len(drafts), accepted)
+        self.spec_stats.record(len(drafts), accepted)
         seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
         seq.state_idx = accepted                    # ... and their recurrent state is at this position
         for tok in toks:
-            seq.append(tok, None if drafts else self._logprobs(seq, out, i))
+            seq.append(tok, None)
             if seq.finished:
                 break
         touched[seq.request.request_id] = seq.request
@@ -350,56 +316,6 @@ class EngineCore:
         lp = {int(t): float(v) for t, v in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])}
         lp[int(out["tokens"][i])] = float(out["logprob"][i])
         return lp
-
-    # ---- introspection ----------------------------------------------------------------------
-    @property
-    def num_compiles(self) -> int:
-        return self.runner.num_compiles
-
-    def stats(self) -> dict:
-        s = self.scheduler
-        return {"running": len(s.running), "waiting": len(s.waiting), "swapped": len(s.swapped),
-                "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
-                "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
-                "num_compiles": self.num_compiles, "warmup_pending": self.runner.exes.pending,
-                "num_steps": self.num_steps,
-                "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
-                "prefix_cache": self.prefix_cache_stats(), "lora": self.lora_stats()}
-
-    def lora_stats(self) -> dict | None:
-        """Adapter slots (slot -> resident adapter name), their reference counts, promotions; None without LoRA."""
-        if self.lora is None:
-            return None
-        return {"slots": self.lora.resident(), "refcounts": self.lora.refcount[1:],
-                "num_promotions": self.lora.num_promotions, "adapters": [r.lora_name for r in self.lora.names()]}
-
-    def reset_prefix_cache(self) -> None:
-        """Forget every cached prefix (idle pages back to the free list, snapshots dropped)."""
-        if self.prefix_cache is not None:
-            self.blocks.take_back(self.prefix_cache.reset())
-
-    def set_prefix_caching(self, on: bool) -> None:
-        """Turn lookups, registration and forks on or off on an engine built with prefix caching
-        (A/B runs on one set of compiled steps: benchmarks, tests). Only while idle; the cache
-        starts empty either way."""
-        if self.prefix_cache is None:
-            raise ValueError("this engine was built without enable_prefix_caching")
-        if self.scheduler.has_work():
-            raise RuntimeError("set_prefix_caching needs an idle engine")
-        self.reset_prefix_cache()
-        self.scheduler.cache = self.prefix_cache if on else None
-
-    def prefix_cache_stats(self) -> dict | None:
-        """Token hit rate, cached / idle pages, snapshots (count, bytes), evictions; None when off."""
-        c = self.prefix_cache
-        if c is None:
-            return None
-        st = dict(c.stats)
-        st["hit_rate"] = st["hit_tokens"] / st["query_tokens"] if st["query_tokens"] else 0.0
-        st.update(cached_pages=c.num_nodes(), idle_pages=c.num_idle, snapshots=c.num_snapshots_used,
-                  snapshot_slots=c.num_snapshots,
-                  snapshot_bytes=c.num_snapshots_used * snapshot_bytes(self.cfg, self.runner.dtype))
-        return st
 
     def warmup(self, progress: bool = True, background: bool = False) -> int:
         """Compile the serving executables (background: the largest shapes now, the rest in a thread)."""

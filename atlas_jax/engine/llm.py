@@ -183,7 +183,7 @@ class LLM:
     def prompt_logits(self, prompt, chunk: int | None = None) -> np.ndarray:
         """fp32 logits [len(prompt), V] of every prompt position, computed through the paged
         cache in chunks of `chunk` tokens (default: max_prefill_chunk). Needs an idle engine."""
-        _, ids = self.engine.encode(prompt)
+        _, ids = self.engine.inputs.encode(prompt)
         chunk = chunk or self.engine.sched_config.max_prefill_chunk
         blocks, slots = self.engine.blocks, self.engine.slots
         pages = blocks.allocate(blocks.pages_for(len(ids)))

@@ -13,8 +13,9 @@ read from disk and validated completely when registered (weights/lora.py) and ke
 cache of max_cpu_loras adapters; an adapter that requests in the engine use is never dropped from it.
 One dropped earlier is read and validated again by the next request that names it, on that request's
 thread (`lookup`), never on the engine thread: a reload that fails, or finds files other than those
-registered (their sha256), refuses that request (AdapterUnavailableError), nothing else. A device slot update that fails leaves the slot table as it
-was and fails only the sequence that asked (`acquire` raises; the scheduler contains it). Each
+registered (their sha256), refuses that request (AdapterUnavailableError), nothing else. A promotion is a
+LoadAdapter op in the step's plan (plan.py); one that fails empties the slot and fails only the sequences
+that asked for it (EngineCore._apply). Each
 registration gets a fresh `uid`, the sequence's prefix-cache key: KV computed under one adapter is
 never reused under another, nor under the same name re-registered from other files.
 """
@@ -33,6 +34,7 @@ from ..errors import AdapterUnavailableError, InvalidRequestError, LoRAError, Un
 from ..layers.lora import param_at
 from ..weights.lora import LoRAAdapter, adaptable, load_peft_adapter
 from .client import LoRARequest
+from .plan import LoadAdapter
 
 log = logging.getLogger("atlas_jax.engine")
 
@@ -47,15 +49,13 @@ class _Registered:
 
 
 class LoRAManager:
-    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None, load_slot):
-        """load_slot(slot, weights {param path: (A [in, R], B [R, out])}): the device update (runner)."""
+    def __init__(self, cfg: ModelConfig, max_loras: int, max_rank: int, max_cpu_loras: int | None):
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be positive, got {max_loras}, {max_rank}")
         self.cfg, self.max_loras, self.max_rank = cfg, max_loras, max_rank
         if max_cpu_loras is not None and max_cpu_loras < max_loras:
             raise ValueError(f"max_cpu_loras ({max_cpu_loras}) must be >= max_loras ({max_loras})")
         self.max_cpu_loras = max_cpu_loras or max_loras
-        self._load_slot = load_slot
         self._lock = threading.RLock()                 # registry, host cache, slot table: request threads use them
         self._registry: dict[str, _Registered] = {}
         self._host: collections.OrderedDict[int, LoRAAdapter] = collections.OrderedDict()   # uid -> weights, LRU
@@ -148,28 +148,33 @@ class LoRAManager:
                 entry.in_use -= 1
 
     # ---- device slots (engine thread) ------------------------------------------------------
-    def acquire(self, uid: int) -> int | None:
-        """A slot holding registration `uid`, with one more reference; None while every slot is busy."""
+    def acquire(self, uid: int) -> tuple[int, LoadAdapter | None] | None:
+        """(a slot holding registration `uid`, with one more reference; the LoadAdapter op that fills it when
+        the adapter is promoted, else None); None while every slot is busy. The slot table records the
+        promotion at once; `load_failed` undoes it if the op fails."""
         if uid == 0:
-            return 0
+            return 0, None
         with self._lock:
+            load = None
             slot = next((s for s in range(1, self.max_loras + 1) if self.slot_uid[s] == uid), None)
             if slot is None:
                 free = [s for s in range(1, self.max_loras + 1) if self.refcount[s] == 0]
                 if not free:
                     return None
                 slot = min(free, key=lambda s: (self.slot_uid[s] is not None, self.last_used[s]))  # empty, else LRU
-                weights = self._weights(uid)
-                self.slot_uid[slot] = None                 # whatever it held is being overwritten
-                try:
-                    self._load_slot(slot, weights)
-                except Exception as e:                     # noqa: BLE001 — contained: this request fails
-                    raise AdapterUnavailableError(f"adapter slot {slot} could not be loaded: {e!r}") from e
+                load = LoadAdapter(slot, uid, self._weights(uid))
                 self.slot_uid[slot] = uid
                 self.num_promotions += 1
             self.refcount[slot] += 1
             self.last_used[slot] = next(self._tick)
-            return slot
+            return slot, load
+
+    def load_failed(self, slot: int, uid: int) -> None:
+        """The LoadAdapter(slot, uid) op failed: the slot holds nothing usable (its holders are failed)."""
+        with self._lock:
+            if self.slot_uid[slot] == uid:
+                self.slot_uid[slot] = None
+                self.num_promotions -= 1
 
     def release(self, slot: int) -> None:
         if slot == 0:

@@ -24,8 +24,7 @@ import jax.numpy as jnp
 
 from ..models.decoder import argmax
 
-from .sampling_params import (BIAS_COLUMNS, MAX_ALLOWED_TOKENS, MAX_LOGIT_BIAS, MAX_LOGPROBS,  # noqa: F401
-                              NO_BIAS)                                    # (the device's bounds)
+from .sampling_params import MAX_LOGPROBS, NO_BIAS
 
 
 @jax.tree_util.register_dataclass

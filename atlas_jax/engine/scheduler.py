@@ -37,8 +37,8 @@ LoRA (`adapters`, engine/lora.py): a sequence under an adapter holds a reference
 device slot while it holds a recurrent slot (admission or swap-in to its release). When no adapter
 slot can be had (all hold adapters in use) it stays queued, and so does every later sequence that
 needs an adapter (first come, first served: the slots drain and it gets one); base-model sequences
-go on being admitted. A failure to load a sequence's adapter slot is recorded in `failed` (the engine
-fails that request) and never raised out of `schedule`.
+go on being admitted. A promotion is a LoadAdapter op in the plan; an adapter with no host copy is
+recorded in `failed` (the engine fails that request) and never raised out of `schedule`.
 """
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ from collections import Counter, deque
 
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.prefix_cache import PrefixCache
+from .plan import LoadPrefix, SchedulerOutput, Snapshot, StateOp, SwapIn, SwapOut
 from .sequence import Sequence, Status
+from .speculative import draft_caps, wants_drafts
 
 PREEMPTION_MODES = ("swap", "recompute")
 
@@ -66,56 +68,9 @@ class SchedulerConfig:
     watermark_pages: int = 1
     page_bytes: int = 0              # host bytes of one page swapped out (every KV pool)
     slot_bytes: int = 0              # host bytes of one slot swapped out (recurrent state + penalty history)
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapOut:
-    """seq.swapped_state := a host copy of `pages` (its cached KV), `slot`'s recurrent state and penalty history."""
-    seq: Sequence
-    pages: tuple[int, ...]
-    slot: int
-
-
-@dataclasses.dataclass(frozen=True)
-class SwapIn:
-    """`pages` and `slot` := seq.swapped_state (bit-exact); the host copy is dropped."""
-    seq: Sequence
-    pages: tuple[int, ...]
-    slot: int
-
-
-@dataclasses.dataclass(frozen=True)
-class Snapshot:
-    """Snapshot `snap` := `slot`'s recurrent state at position state_idx."""
-    slot: int
-    state_idx: int
-    snap: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LoadPrefix:
-    """`slot` starts on a cached prefix: recurrent state from snapshot `snap` (None: none), page cow[1] :=
-    page cow[0] (copy-on-write of a partly used page), penalty history rebuilt from `tokens`."""
-    slot: int
-    snap: int | None
-    cow: tuple[int, int] | None
-    tokens: tuple[int, ...]
-    prompt_len: int
-
-
-StateOp = SwapOut | SwapIn | Snapshot | LoadPrefix
-
-
-@dataclasses.dataclass
-class SchedulerOutput:
-    """One step's plan. The runner applies `ops` in order before the forward (runner.apply_ops)."""
-    decode: list[Sequence]                     # one token each
-    prefill: list[tuple[Sequence, int]]        # (sequence, chunk length > 1)
-    ops: list[StateOp] = dataclasses.field(default_factory=list)   # state operations queued since the last plan
-
-    @property
-    def empty(self) -> bool:
-        return not self.decode and not self.prefill
+    num_drafts: int = 0              # speculative drafts per decode row (0: no speculation)
+    mtp_drafts: int = 0              # drafts the MTP head makes per row and step (0: no MTP head)
+    max_model_len: int = 0           # the MTP head drafts only within it
 
 
 class Scheduler:
@@ -128,13 +83,13 @@ class Scheduler:
         self.slots = slots
         self.ops: list[StateOp] = []                         # queued for the next plan (state changes in order)
         self.cache = cache
-        self.adapters = adapters                       # LoRAManager (acquire(uid) -> slot | None, release(slot))
+        self.adapters = adapters                       # LoRAManager (acquire(uid) -> (slot, op) | None, release)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.swapped: list[Sequence] = []
         self.swap_bytes = 0
         self.num_preemptions = {"swap": 0, "recompute": 0, "fairness": 0}
-        self.failed: list[tuple[Sequence, Exception]] = []   # adapter slot loads that failed (engine fails them)
+        self.failed: list[tuple[Sequence, Exception]] = []   # adapter acquisitions that raised (engine fails them)
         self._fairness_head: Sequence | None = None          # the waiting sequence the last fairness victim was for
 
     # ---- queue changes ------------------------------------------------------------------------
@@ -185,13 +140,18 @@ class Scheduler:
             seq.adapter_slot = 0
             return True
         try:
-            seq.adapter_slot = self.adapters.acquire(seq.cache_key)
+            got = self.adapters.acquire(seq.cache_key)
         except Exception as e:                          # noqa: BLE001 — contained: the engine fails this request
-            seq.adapter_slot = None
+            got = None
             if all(f is not seq for f, _ in self.failed):
                 self.failed.append((seq, e))
+        if got is None:
+            seq.adapter_slot = None
             return False
-        return seq.adapter_slot is not None
+        seq.adapter_slot, load = got
+        if load is not None:
+            self.ops.append(load)                       # the promotion's device update, before the step
+        return True
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -210,9 +170,27 @@ class Scheduler:
             if self._grow(seq, seq.num_cached + n, chosen):
                 chosen[seq] = n
         self._admit(chosen)
-        ops, self.ops = self.ops, []
-        return SchedulerOutput(decode=[s for s, n in chosen.items() if n == 1],
-                               prefill=[(s, n) for s, n in chosen.items() if n > 1], ops=ops)
+        plan = SchedulerOutput(decode=[s for s, n in chosen.items() if n == 1],
+                               prefill=[(s, n) for s, n in chosen.items() if n > 1])
+        self._draft_lookahead(plan)
+        plan.ops, self.ops = self.ops, []
+        return plan
+
+    def _draft_lookahead(self, plan: SchedulerOutput) -> None:
+        """Pages for drafts, from free pages only (never preempting): per decode row the drafts it may
+        verify (speculative.draft_caps), and the rows the MTP head may draft from (their pages cover what
+        the head writes: the fed tokens and mtp_drafts - 1 more)."""
+        cfg = self.config
+        if cfg.num_drafts:
+            plan.draft_caps = dict(zip(plan.decode, draft_caps(plan.decode, cfg.num_drafts, self.lookahead)))
+        if not cfg.mtp_drafts:
+            return
+        for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
+            if seq.num_cached + n == seq.num_tokens and wants_drafts(seq):
+                fed = n + min(plan.draft_caps.get(seq, 0), len(seq.pending_drafts))   # MTP verifies its pending drafts
+                need = seq.num_cached + fed + cfg.mtp_drafts - 1
+                if need <= cfg.max_model_len and self.lookahead(seq, need) >= need:
+                    plan.draft_ok.add(seq)
 
     def _chunk(self, seq: Sequence, start: int, budget: int) -> int:
         """Tokens seq feeds next from position `start`: up to the chunk size, the budget and its next snap point."""

@@ -62,3 +62,17 @@ def state_bytes(cfg: ModelConfig, num_pages: int, page_size: int, num_slots: int
                 state_positions: int = 1) -> int:
     shapes = state_shapes(cfg, num_pages, page_size, num_slots, dtype, state_positions)
     return sum(s.size * jnp.dtype(s.dtype).itemsize for s in jax.tree.leaves(shapes))
+
+
+def snapshot_slots(cfg: ModelConfig, dtype, enabled: bool, budget: int | None, max_num_seqs: int) -> int:
+    """Prefix-cache snapshot slots in `budget` bytes (default: 4 per running sequence, at least 16, within
+    2 GiB); 0 when prefix caching is off or the model has no recurrent state."""
+    size = snapshot_bytes(cfg, dtype)
+    if not enabled or not size:
+        return 0
+    if budget is None:
+        return max(1, min(max(16, 4 * max_num_seqs), (2 << 30) // size))
+    if budget < size:
+        raise ValueError(f"prefix_snapshot_bytes ({budget}) is below one snapshot of this model's recurrent "
+                         f"state ({size} bytes)")
+    return budget // size

@@ -1,0 +1,152 @@
+"""Host packing of one step's rows into the compiled step's arguments, and their abstract form.
+
+`InputBatch.pack` turns RowInputs into numpy arrays (segments, sampling columns, prompt lengths, MTP
+inputs) that the executable's own call transfers; `InputBatch.abstract` gives the same arguments as
+ShapeDtypeStructs for a shape bucket (what warm-up lowers). Both live here so that they cannot drift.
+Padding rows are inert: no tokens (q_len 0), the out-of-range slot, greedy sampling, no logprobs.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..batch import StepBatch
+from .sampler import SamplingBatch
+from .sampling_params import BIAS_COLUMNS, NO_BIAS, SamplingParams
+
+_GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclasses.dataclass
+class RowInput:
+    """One sequence's share of a step (host side)."""
+    tokens: list[int]          # new tokens, len >= 1
+    start: int                 # tokens of this sequence already in the cache
+    block_table: list[int]     # its pages, covering at least start + len(tokens) tokens
+    slot: int                  # its recurrent-state / penalty-history slot
+    params: SamplingParams = _GREEDY
+    seed: int = 0
+    step: int = 0              # tokens this request has sampled so far
+    prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
+    state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
+    next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
+    draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
+    logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
+    adapter: int = 0           # LoRA adapter slot (0 = the base model)
+
+
+@dataclasses.dataclass
+class InputBatch:
+    max_pages_per_seq: int
+    page_size: int
+    num_slots: int             # the padding rows' (out-of-range) slot
+    lora: bool                 # segments carry an adapter column
+    mtp: bool                  # steps take MTP inputs
+
+    # ---- host arrays ---------------------------------------------------------------------------
+    def segment(self, rows: list[RowInput], b: int, t: int) -> StepBatch:
+        p = self.max_pages_per_seq
+        tokens = np.zeros((b, t), np.int32)
+        q_len, start, state_idx, adapter = (np.zeros((b,), np.int32) for _ in range(4))
+        table = np.zeros((b, p), np.int32)
+        slot = np.full((b,), self.num_slots, np.int32)
+        for i, r in enumerate(rows):
+            n = len(r.tokens)
+            if not 1 <= n <= t:
+                raise ValueError(f"row {i} has {n} new tokens for a {t}-token bucket")
+            if -(-(r.start + n) // self.page_size) > min(len(r.block_table), p):
+                raise ValueError(f"row {i} needs pages for {r.start + n} tokens; it has {len(r.block_table)}")
+            tokens[i, :n] = r.tokens
+            q_len[i], start[i], slot[i], state_idx[i], adapter[i] = n, r.start, r.slot, r.state_idx, r.adapter
+            table[i, :len(r.block_table)] = r.block_table
+        return StepBatch(tokens=tokens, q_len=q_len, start=start, block_table=table, slot=slot, state_idx=state_idx,
+                         adapter=adapter if self.lora else None)
+
+    def sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
+        """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows."""
+        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots)
+        rows = [r if r is not None else filler for r in rows] + [filler] * (b - len(rows))
+
+        def col(get, dt):
+            return np.array([get(r) for r in rows], dt)
+        return SamplingBatch(
+            temperature=col(lambda r: r.params.temperature, np.float32), top_k=col(lambda r: r.params.top_k, np.int32),
+            top_p=col(lambda r: r.params.top_p, np.float32), min_p=col(lambda r: r.params.min_p, np.float32),
+            repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32),
+            presence_penalty=col(lambda r: r.params.presence_penalty, np.float32),
+            frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32),
+            num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32),
+            seed=col(lambda r: r.seed, np.uint32), step=col(lambda r: r.step, np.int32),
+            slot=col(lambda r: r.slot, np.int32), **bias_columns(rows))
+
+    @staticmethod
+    def prompt_lens(segments, groups) -> tuple:
+        """Per segment [B] prompt lengths of its rows (0 for padding rows)."""
+        return tuple(np.array([r.prompt_len for r in rows] + [0] * (s.tokens.shape[0] - len(rows)), np.int32)
+                     for s, rows in zip(segments, groups))
+
+    def mtp_in(self, segments, groups, sampling_rows):
+        """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
+        the token the step emits), and draft_ok per row. None without MTP."""
+        if not self.mtp:
+            return None
+        next_tokens = []
+        for seg, rows in zip(segments, groups):
+            nt = np.zeros(seg.tokens.shape, np.int32)
+            for i, r in enumerate(rows):
+                nt[i, :len(r.tokens)] = list(r.tokens[1:]) + [r.next_token]
+            next_tokens.append(nt)
+        ok = np.zeros((sum(s.tokens.shape[0] for s in segments),), bool)
+        ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
+        return tuple(next_tokens), ok
+
+    def pack(self, groups: tuple[list[RowInput], ...], shape, sampling_rows: list[RowInput | None]) -> tuple:
+        """(segments, sampling, prompt_lens, mtp_in): a step's / verify step's arguments for `groups`
+        (one row list per segment) padded to `shape`; sampling_rows = every sampling row in order, None
+        for a padding row between segments."""
+        segments = tuple(self.segment(rows, *seg) for rows, seg in zip(groups, shape))
+        b = sum(s.tokens.shape[0] for s in segments)
+        return (segments, self.sampling(sampling_rows, b), self.prompt_lens(segments, groups),
+                self.mtp_in(segments, groups, sampling_rows))
+
+    # ---- abstract form (warm-up) -----------------------------------------------------------------
+    def abstract(self, kind: str, shape) -> tuple:
+        """ShapeDtypeStructs of a step / verify / draft / logits executable's arguments after (params,
+        state) for one shape bucket: what `pack` produces for it."""
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
+
+        def segment(b, t):
+            return StepBatch(i32(b, t), i32(b), i32(b), i32(b, self.max_pages_per_seq), i32(b), i32(b),
+                             i32(b) if self.lora else None)
+        if kind == "draft":
+            b = shape[0][0]
+            return segment(b, 1), i32(b)
+        if kind == "logits":
+            return (tuple(segment(b, t) for b, t in shape),)
+        if kind == "score":
+            return tuple(segment(b, t) for b, t in shape), i32(*shape[0])
+        segs = tuple(segment(b, t) for b, t in shape)
+        b = sum(bb for bb, _ in shape)
+        f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
+        sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b), jax.ShapeDtypeStruct((b,), jnp.uint32),
+                                 i32(b), i32(b), i32(b, BIAS_COLUMNS),
+                                 jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32),
+                                 jax.ShapeDtypeStruct((b,), jnp.bool_))
+        mtp = (tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp else None
+        args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
+        return args + ((i32(*shape[0]),) if kind == "verify" else ()) + (mtp,)
+
+
+def bias_columns(rows) -> dict:
+    """logit_bias / allowed / bad-word adjustments as BIAS_COLUMNS (id, added logit) pairs per row."""
+    ids = np.full((len(rows), BIAS_COLUMNS), NO_BIAS, np.int32)
+    bias = np.zeros((len(rows), BIAS_COLUMNS), np.float32)
+    only = np.zeros((len(rows),), bool)
+    for i, r in enumerate(rows):
+        adjust, only[i] = r.logit_adjust
+        for j, (t, v) in enumerate(list(adjust.items())[:BIAS_COLUMNS]):
+            ids[i, j], bias[i, j] = t, v
+    return {"bias_ids": ids, "bias": bias, "bias_only": only}
