@@ -42,7 +42,7 @@ def test_llm_refuses_unknown_keywords():
 
 def test_kv_cache_memory_sizes_the_pool_from_llm_and_the_cli(tiny_model_path):
     """kv_cache_memory (GiB) is an EngineArgs field: LLM takes it, serve and generate have the flag."""
-    from atlas_jax.engine.llm import pages_for_memory
+    from atlas_jax.engine.sizing import pages_for_memory
     from atlas_jax.state.cache import state_bytes
     llm = LLM(tiny_model_path, dtype="float32", page_size=8, max_num_seqs=2, max_model_len=64, warmup=False,
               compile_cache_dir="", kv_cache_memory=0.001)
@@ -51,3 +51,27 @@ def test_kv_cache_memory_sizes_the_pool_from_llm_and_the_cli(tiny_model_path):
     assert EngineArgs.from_cli(parse_args(["--kv-cache-memory", "2.5"])).kv_cache_memory == 2.5
     with pytest.raises(ValueError, match="not both"):
         LLM(tiny_model_path, dtype="float32", num_pages=8, kv_cache_memory=1.0, warmup=False, compile_cache_dir="")
+
+
+def test_max_num_seqs_defaults_to_what_fits_in_memory(tiny_model_path):
+    """Unset, max_num_seqs is as many sequences as half the free memory holds (CPU; 90% on accelerators),
+    capped at 32 on CPU and 256 elsewhere. A sequence's bytes are measured on real engines: the state of a
+    2-sequence engine less a 1-sequence one's (KV pages for max_model_len, recurrent slot, penalty row)."""
+    import jax
+    from atlas_jax.engine.sizing import default_max_num_seqs
+    kw = dict(dtype="float32", page_size=8, max_model_len=64, warmup=False, compile_cache_dir="")
+    llms = [LLM(tiny_model_path, max_num_seqs=n, **kw) for n in (1, 2)]
+    per_seq = int(jnp_bytes(llms[1].runner.state) - jnp_bytes(llms[0].runner.state))
+    cfg, dtype = llms[0].cfg, llms[0].dtype
+    assert default_max_num_seqs(cfg, dtype, 8, 64, None, free_bytes=2 * 10 * per_seq, platform="cpu") == 10
+    assert default_max_num_seqs(cfg, dtype, 8, 64, None, free_bytes=2 * 10 * per_seq - 1, platform="cpu") == 9
+    assert default_max_num_seqs(cfg, dtype, 8, 64, None, free_bytes=10**15, platform="cpu") == 32
+    assert default_max_num_seqs(cfg, dtype, 8, 64, None, free_bytes=10**15, platform="gpu") == 256
+    assert default_max_num_seqs(cfg, dtype, 8, 64, None, free_bytes=0, platform="cpu") == 1
+    assert default_max_num_seqs(cfg, dtype, 8, 64, 5, free_bytes=10**15, platform="cpu") == 5   # a page each
+    assert LLM(tiny_model_path, **kw).max_num_seqs == 32 and jax.default_backend() == "cpu"    # this machine fits 32
+
+
+def jnp_bytes(tree) -> int:
+    import jax
+    return sum(x.nbytes for x in jax.tree.leaves(tree))

@@ -25,7 +25,8 @@ class EngineArgs:
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
     kv_cache_memory: float | None = _knob(None, "KV pool size in GiB, instead of num-pages (default: num-pages' "
                                           "default)")
-    max_num_seqs: int = _knob(8, "running sequences (= recurrent-state slots)")
+    max_num_seqs: int | None = _knob(None, "running sequences (= recurrent-state slots; default: as many as fit "
+                                     "in half the free memory on CPU / 90% on accelerators, at most 32 / 256)")
     max_model_len: int | None = _knob(None, "prompt + output tokens per request (default: min(config, 4096))")
     max_prefill_chunk: int = _knob(256, "prompt tokens per sequence per step")
     max_num_batched_tokens: int | None = _knob(None, "prefill token budget per step (decode rows beside it)")

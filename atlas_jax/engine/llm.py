@@ -23,6 +23,7 @@ from .compile_cache import default_compile_cache_dir, enable_compile_cache  # no
 from .core import EngineCore
 from .lora import LoRARequest
 from .sampling_params import SamplingParams
+from .sizing import default_max_num_seqs, pages_for_memory
 from .speculative import SpeculativeConfig, load_token_map
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
@@ -38,15 +39,6 @@ def resolve_dtype(dtype) -> jnp.dtype:
             raise ValueError(f"unknown dtype {dtype!r}; use one of auto, {', '.join(_DTYPES)}")
         return jnp.dtype(_DTYPES[dtype])
     return jnp.dtype(dtype)
-
-
-def pages_for_memory(cfg: ModelConfig, dtype, page_size: int, gib: float) -> int:
-    """KV pages of `page_size` tokens that fit in `gib` GiB for this model (at least one)."""
-    from ..state.cache import state_bytes
-    if not gib > 0:
-        raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {gib!r}")
-    per_page = state_bytes(cfg, 2, page_size, 1, dtype) - state_bytes(cfg, 1, page_size, 1, dtype)
-    return max(1, int(gib * 2**30 // max(per_page, 1)))
 
 
 class LLM:
@@ -75,9 +67,11 @@ class LLM:
             if num_pages is not None:
                 raise ValueError("give num_pages or kv_cache_memory, not both")
             num_pages = pages_for_memory(self.cfg, self.dtype, a.page_size, a.kv_cache_memory)
+        max_num_seqs = a.max_num_seqs or default_max_num_seqs(
+            self.cfg, self.dtype, a.page_size, self.max_model_len, num_pages, 1 + (spec.num_drafts if spec else 0))
         self.engine = EngineCore(
             self.cfg, params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=num_pages,
-            max_num_seqs=a.max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
             max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
             preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
             speculative=spec, draft_token_ids=load_token_map(spec, self.model_path, self.cfg.vocab_size),

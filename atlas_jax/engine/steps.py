@@ -114,7 +114,7 @@ def logits_step(cfg, kernels, params, state: EngineState, segments):
 def score_step(cfg, kernels, top, params, state: EngineState, segments, targets):
     """Prompt scoring on the device: per fed position the logprob of targets[b, t] (the next prompt token)
     and the `top` best (ids, logprobs). Only these leave the device, never the [T, V] logits."""
-    logits, state = logits_step(cfg, kernels, params, state, segments)
+    (logits,), state = logits_step(cfg, kernels, params, state, segments)     # one segment
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     top_lp, top_ids = jax.lax.top_k(logp, top)
     return (jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], top_ids, top_lp), state
