@@ -75,3 +75,12 @@ def test_max_num_seqs_defaults_to_what_fits_in_memory(tiny_model_path):
 def jnp_bytes(tree) -> int:
     import jax
     return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.parametrize("name,value", [("page_size", 0), ("max_num_seqs", -1), ("max_model_len", 2.5),
+                                        ("max_prefill_chunk", True), ("max_prefill_rows", 0),
+                                        ("max_num_batched_tokens", -4), ("num_pages", 0)])
+def test_engine_config_refuses_non_positive_sizes(tiny_model_path, name, value):
+    """EngineConfig.create validates every size knob before anything is allocated, naming it."""
+    with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
+        LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", **{name: value})

@@ -1,96 +1,62 @@
 """EngineCore: the synchronous engine — requests in, one scheduled step at a time, outputs out.
 
-Owns the ModelRunner (device state, compiled steps) and the Scheduler (host queues, pages,
-slots). `LLM` drives it in a loop; `AsyncLLM` drives it from a background thread. Requests
+Built from one EngineConfig (engine_config.py). Owns the ModelRunner (device state, compiled steps)
+and the Scheduler (host queues, pages, slots). `LLM` drives it in a loop; `AsyncLLM` drives it from a background thread. Requests
 are validated in `add_request` before they touch any state, so a bad request is refused with
 a ValueError and never disturbs the ones in flight.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
-from ..config import ModelConfig
 from ..errors import AdapterUnavailableError
-from ..kernels import XLA, Kernels
 from ..state.allocator import BlockAllocator, SlotAllocator
-from ..state.cache import snapshot_slots
 from ..state.prefix_cache import PrefixCache
-from .lora import LoRAManager, LoRARequest
-from .input_processor import InputProcessor
-from .request import Request
+from .engine_config import EngineConfig
 from .input_batch import RowInput
+from .input_processor import InputProcessor
 from .introspection import EngineIntrospection
+from .lora import LoRAManager, LoRARequest
 from .plan import LoadAdapter, SchedulerOutput
+from .request import Request
 from .runner import ModelRunner
 from .sampling_params import SamplingParams
-from .scheduler import Scheduler, SchedulerConfig, default_watermark
+from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import SpecStats, SpeculativeConfig, make_proposer
+from .speculative import SpecStats, make_proposer
 
 log = logging.getLogger("atlas_jax.engine")
 
 
 class EngineCore(EngineIntrospection):
-    def __init__(self, cfg: ModelConfig, params, tokenizer, *, dtype, page_size: int, num_pages: int | None,
-                 max_num_seqs: int, max_model_len: int, max_prefill_chunk: int, max_num_batched_tokens: int | None,
-                 max_prefill_rows: int, preemption_mode: str, swap_space_gb: float, seed: int, kernels: Kernels = XLA,
-                 speculative: SpeculativeConfig | None = None, draft_token_ids=None, enable_prompt_logprobs: bool = False,
-                 enable_prefix_caching: bool = False, prefix_snapshot_bytes: int | None = None,
-                 lora: dict | None = None):
-        """lora: None, or {"max_loras", "max_lora_rank", "max_cpu_loras"} (multi-LoRA serving, engine/lora.py).
-        draft_token_ids: the MTP head's draft vocabulary (speculative.load_token_map), None: all tokens."""
-        for name, v in (("page_size", page_size), ("max_num_seqs", max_num_seqs), ("max_model_len", max_model_len),
-                        ("max_prefill_chunk", max_prefill_chunk), ("max_prefill_rows", max_prefill_rows)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        self.cfg, self.tokenizer = cfg, tokenizer
-        self.max_model_len = max_model_len
-        max_pages_per_seq = -(-max_model_len // page_size)
-        self.num_pages = int(num_pages or max_num_seqs * max_pages_per_seq)
-        # prompt_logprobs scores prompts on pages and a slot of their own (beyond the serving pools).
-        scratch_pages = max_pages_per_seq if enable_prompt_logprobs else 0
-        self.blocks = BlockAllocator(self.num_pages, page_size)
-        self.slots = SlotAllocator(max_num_seqs)
-        self._score = (list(range(self.num_pages, self.num_pages + scratch_pages)), max_num_seqs) \
-            if enable_prompt_logprobs else None
-        self.runner = ModelRunner(cfg, params, num_pages=self.num_pages + scratch_pages, page_size=page_size,
-                                  num_slots=max_num_seqs + bool(enable_prompt_logprobs),
-                                  max_pages_per_seq=max_pages_per_seq, dtype=dtype, max_num_seqs=max_num_seqs,
-                                  max_prefill_chunk=max_prefill_chunk, max_prefill_rows=max_prefill_rows,
-                                  kernels=kernels,
-                                  max_verify_tokens=1 + speculative.num_drafts if speculative else 1,
-                                  mtp_drafts=speculative.num_drafts if speculative and speculative.method == "mtp" else 0,
-                                  mtp_layers=len(params.get("mtp", {}).get("layers", ())),
-                                  mtp_token_ids=draft_token_ids,
-                                  self_drafts=bool(speculative) and speculative.method == "self",
-                                  num_snapshots=snapshot_slots(cfg, dtype, enable_prefix_caching,
-                                                               prefix_snapshot_bytes, max_num_seqs),
-                                  lora_slots=lora["max_loras"] if lora else 0,
-                                  lora_rank=lora["max_lora_rank"] if lora else 0)
-        self.lora = LoRAManager(cfg, lora["max_loras"], lora["max_lora_rank"], lora.get("max_cpu_loras")) \
-            if lora else None
-        self.speculative = speculative
-        self.proposer = make_proposer(speculative, self) if speculative else None
+    def __init__(self, config: EngineConfig, params, tokenizer, draft_token_ids=None):
+        """draft_token_ids: the MTP head's draft vocabulary (speculative.load_token_map), None: all tokens."""
+        self.config, self.cfg, self.tokenizer = config, config.model, tokenizer
+        c = config.cache
+        self.max_model_len, self.num_pages, self.speculative = config.max_model_len, c.num_pages, config.speculative
+        self.blocks = BlockAllocator(c.num_pages, c.page_size)
+        self.slots = SlotAllocator(config.max_num_seqs)
+        # prompt_logprobs scores prompts on pages and a slot of their own (beyond the serving pools)
+        self._score = (list(range(c.num_pages, c.num_pages + c.scratch_pages)), config.max_num_seqs) \
+            if c.prompt_logprobs else None
+        self.runner = ModelRunner(config, params, draft_token_ids)
+        lora = config.lora
+        self.lora = LoRAManager(self.cfg, lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) if lora else None
+        self.proposer = make_proposer(config.speculative, self) if config.speculative else None
         self.spec_stats = SpecStats()
-        budget = max_num_batched_tokens or max(512, max_prefill_chunk)
-        if budget < 1:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= 1 (prefill tokens per step)")
         page_bytes, slot_bytes = self.runner.state_ops.swap_bytes()
-        self.sched_config = SchedulerConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_prefill_chunk=max_prefill_chunk,
-            max_prefill_rows=max_prefill_rows, preemption_mode=preemption_mode,
-            swap_space_bytes=int(swap_space_gb * 2**30), watermark_pages=default_watermark(self.num_pages),
-            page_bytes=page_bytes, slot_bytes=slot_bytes, num_drafts=speculative.num_drafts if speculative else 0,
-            mtp_drafts=self.runner.mtp_drafts, max_model_len=max_model_len)
+        self.sched_config = dataclasses.replace(config.scheduler, page_bytes=page_bytes, slot_bytes=slot_bytes)
         self.prefix_cache = PrefixCache(
-            self.blocks, lookahead=self.runner.mtp_drafts > 0, num_snapshots=self.runner.num_snapshots,
-            recurrent=bool(cfg.recurrent_layers)) if enable_prefix_caching else None
+            self.blocks, lookahead=config.mtp_drafts > 0, num_snapshots=c.num_snapshots,
+            recurrent=bool(self.cfg.recurrent_layers)) if c.prefix_caching else None
         self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, self.prefix_cache, self.lora)
         self.requests: dict[str, Request] = {}
-        self.inputs = InputProcessor(tokenizer, vocab_size=cfg.vocab_size, eos_token_ids=cfg.eos_token_ids,
-                                     max_model_len=max_model_len, page_size=page_size, num_pages=self.num_pages,
-                                     prompt_logprobs=enable_prompt_logprobs, lora=self.lora, seed=seed)
+        self.inputs = InputProcessor(tokenizer, vocab_size=self.cfg.vocab_size, eos_token_ids=self.cfg.eos_token_ids,
+                                     max_model_len=config.max_model_len, page_size=c.page_size,
+                                     num_pages=c.num_pages, prompt_logprobs=c.prompt_logprobs, lora=self.lora,
+                                     seed=config.seed)
         self.num_steps = 0
         self.step_requests: list[str] = []           # request ids of the step being run (named if it kills the engine)
         self.num_failed_requests = 0                 # failed alone by step containment

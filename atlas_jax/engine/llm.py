@@ -23,8 +23,8 @@ from .compile_cache import default_compile_cache_dir, enable_compile_cache  # no
 from .core import EngineCore
 from .lora import LoRARequest
 from .sampling_params import SamplingParams
-from .sizing import default_max_num_seqs, pages_for_memory
-from .speculative import SpeculativeConfig, load_token_map
+from .engine_config import EngineConfig
+from .speculative import load_token_map
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
            "float16": jnp.float16, "fp16": jnp.float16}
@@ -50,7 +50,6 @@ class LLM:
     def __init__(self, model: str | None = None, *, warmup: bool = True, progress: bool = True, **engine_args):
         self.args = a = EngineArgs(model=model, **engine_args)
         self.kernels = resolve_kernels(a.kernels)
-        spec = SpeculativeConfig.parse(a.speculative)
         enable_compile_cache(default_compile_cache_dir() if a.compile_cache_dir is None else a.compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path
@@ -61,24 +60,10 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
-        self.max_model_len = int(a.max_model_len or min(self.cfg.max_position_embeddings, 4096))
-        num_pages = a.num_pages
-        if a.kv_cache_memory is not None:
-            if num_pages is not None:
-                raise ValueError("give num_pages or kv_cache_memory, not both")
-            num_pages = pages_for_memory(self.cfg, self.dtype, a.page_size, a.kv_cache_memory)
-        max_num_seqs = a.max_num_seqs or default_max_num_seqs(
-            self.cfg, self.dtype, a.page_size, self.max_model_len, num_pages, 1 + (spec.num_drafts if spec else 0))
-        self.engine = EngineCore(
-            self.cfg, params, self.tokenizer, dtype=self.dtype, page_size=a.page_size, num_pages=num_pages,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, max_prefill_chunk=a.max_prefill_chunk,
-            max_num_batched_tokens=a.max_num_batched_tokens, max_prefill_rows=a.max_prefill_rows,
-            preemption_mode=a.preemption_mode, swap_space_gb=a.swap_space_gb, seed=a.seed, kernels=self.kernels,
-            speculative=spec, draft_token_ids=load_token_map(spec, self.model_path, self.cfg.vocab_size),
-            enable_prompt_logprobs=a.enable_prompt_logprobs,
-            enable_prefix_caching=a.enable_prefix_caching, prefix_snapshot_bytes=a.prefix_snapshot_bytes,
-            lora=dict(max_loras=a.max_loras, max_lora_rank=a.max_lora_rank, max_cpu_loras=a.max_cpu_loras)
-            if a.enable_lora else None)
+        self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels)
+        self.max_model_len = self.config.max_model_len
+        self.engine = EngineCore(self.config, params, self.tokenizer,
+                                 load_token_map(self.config.speculative, self.model_path, self.cfg.vocab_size))
         self.runner = self.engine.runner
         self.params = self.runner.params        # as the steps use them (packed for the CPU kernels)
         self.num_warmup_compiles = self.engine.warmup(progress) if warmup else 0

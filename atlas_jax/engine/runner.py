@@ -25,8 +25,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..config import ModelConfig
-from ..kernels import XLA, Kernels
 from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
@@ -49,61 +47,54 @@ def draft_vocab(params, ids) -> dict:
 
 
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, params, *, num_pages: int, page_size: int, num_slots: int,
-                 max_pages_per_seq: int, dtype, max_num_seqs: int, max_prefill_chunk: int, max_prefill_rows: int,
-                 kernels: Kernels = XLA, max_verify_tokens: int = 1, mtp_drafts: int = 0, mtp_layers: int = 0,
-                 self_drafts: bool = False, num_snapshots: int = 0, lora_slots: int = 0, lora_rank: int = 0,
-                 mtp_token_ids=None):
-        """lora_slots > 0: a LoRA pool of lora_slots adapters (+ slot 0, the base model) of rank lora_rank
-        on every adaptable projection, and an adapter column in every step. mtp_token_ids [n]: the MTP
-        head drafts among these tokens only (params["mtp_vocab"], models/mtp.py)."""
-        self.cfg = cfg
+    def __init__(self, config, params, mtp_token_ids=None):
+        """config: EngineConfig. With LoRA, a pool of max_loras adapters (+ slot 0, the base model) of rank
+        max_lora_rank on every adaptable projection, and an adapter column in every step. mtp_token_ids [n]:
+        the MTP head drafts among these tokens only (params["mtp_vocab"], models/mtp.py)."""
+        cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
+        self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
+        mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
         if mtp_drafts and mtp_token_ids is not None:
             params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids)}
         # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
         self.params = pack_linears(pack_params(params)) if kernels.cpu else params
-        self.num_pages = num_pages
-        self.page_size = page_size
-        self.num_slots = num_slots
-        self.max_pages_per_seq = max_pages_per_seq
-        self.grid = Grid.create(max_num_seqs, max_prefill_rows, max_prefill_chunk, max_verify_tokens)
-        self.state_positions = max(1, max_verify_tokens)             # recurrent-state positions per slot
+        self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size
+        self.num_slots, self.max_pages_per_seq = c.num_slots, c.max_pages_per_seq
+        s = config.scheduler
+        self.grid = Grid.create(s.max_num_seqs, s.max_prefill_rows, s.max_prefill_chunk, verify_tokens)
+        self.state_positions = verify_tokens                         # recurrent-state positions per slot
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
-        self.self_drafts = self_drafts                               # a compiled self-speculative draft step
+        self.self_drafts = config.speculative is not None and config.speculative.method == "self"
         self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
-        self.state = EngineState(init_state(cfg, num_pages, page_size, num_slots, dtype, self.state_positions),
-                                 init_penalty_state(num_slots, cfg.vocab_size),
-                                 init_mtp_kv(cfg, mtp_layers, num_pages, page_size, dtype) if mtp_drafts else (),
-                                 init_snapshots(cfg, num_snapshots, dtype),
-                                 self._init_lora_pool(lora_slots, lora_rank, dtype))
-        self.num_snapshots = num_snapshots
-        self.dtype = dtype
-        self.batch = InputBatch(max_pages_per_seq, page_size, num_slots, lora=bool(self.state.lora),
-                                mtp=bool(mtp_drafts))
-        self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(max_pages_per_seq)))
-        jitted = {
-            "step": jax.jit(functools.partial(steps.step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
-            "logits": jax.jit(functools.partial(steps.logits_step, cfg, kernels), donate_argnums=(1,)),
-            "score": jax.jit(functools.partial(steps.score_step, cfg, kernels, min(MAX_LOGPROBS, cfg.vocab_size)),
-                             donate_argnums=(1,)),
-            "verify": jax.jit(functools.partial(steps.verify_step, cfg, kernels, mtp_drafts), donate_argnums=(1,)),
-            "draft": jax.jit(functools.partial(steps.self_draft_step, cfg, kernels, max_verify_tokens - 1),
-                             donate_argnums=(1,)),
-            "save_pages": jax.jit(steps.save_pages, donate_argnums=(1,)),
-            "save_slot": jax.jit(steps.save_slot, donate_argnums=(1,)),
-            "restore_pages": jax.jit(steps.restore_pages, donate_argnums=(1,)),
-            "restore_slot": jax.jit(steps.restore_slot, donate_argnums=(1,)),
-            "snapshot": jax.jit(steps.take_snapshot, donate_argnums=(1,)),
-            "prefix": jax.jit(steps.load_prefix, donate_argnums=(1,)),
-            "adapter": jax.jit(steps.load_adapter, donate_argnums=(1,)),
-        }
-        self.exes = Executables(jitted, self.params, self.state)
+        mtp_layers = len(params.get("mtp", {}).get("layers", ()))
+        self.state = EngineState(init_state(cfg, self.num_pages, c.page_size, c.num_slots, dtype, verify_tokens),
+                                 init_penalty_state(c.num_slots, cfg.vocab_size),
+                                 init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
+                                 init_snapshots(cfg, c.num_snapshots, dtype),
+                                 self._init_lora_pool(config.lora, dtype))
+        self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
+        self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), self.params, self.state)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
-    def _init_lora_pool(self, slots: int, rank: int, dtype) -> dict:
-        if not slots:
+    @staticmethod
+    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int) -> dict:
+        """kind -> jit(fn(params, state, *args)) with the state donated."""
+        part = functools.partial
+        fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
+               "score": part(steps.score_step, cfg, kernels, min(MAX_LOGPROBS, cfg.vocab_size)),
+               "verify": part(steps.verify_step, cfg, kernels, mtp_drafts),
+               "draft": part(steps.self_draft_step, cfg, kernels, num_drafts),
+               "save_pages": steps.save_pages, "save_slot": steps.save_slot, "restore_pages": steps.restore_pages,
+               "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
+               "adapter": steps.load_adapter}
+        return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
+
+    def _init_lora_pool(self, lora, dtype) -> dict:
+        if lora is None:
             return {}
         from .lora import pool_shapes
+        slots, rank = lora.max_loras, lora.max_lora_rank
         return {key: (jnp.zeros((d_in, slots + 1, rank), dtype), jnp.zeros((slots + 1, rank, d_out), dtype))
                 for key, (d_in, d_out) in pool_shapes(self.cfg, self.params).items()}
 

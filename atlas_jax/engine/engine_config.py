@@ -1,0 +1,96 @@
+"""EngineConfig: EngineArgs resolved once into frozen sub-configs (vLLM's VllmConfig pattern). Every default
+that depends on the model or the machine (max_model_len, the KV pool, max_num_seqs, snapshot slots, the
+prefill token budget) is decided here, and every knob is validated here, before anything is allocated;
+EngineCore, ModelRunner and the Scheduler read the result and decide nothing themselves."""
+from __future__ import annotations
+
+import dataclasses
+
+from ..config import ModelConfig
+from ..kernels import Kernels
+from ..state.cache import snapshot_slots
+from .args import EngineArgs
+from .scheduler import SchedulerConfig, default_watermark
+from .sizing import default_max_num_seqs, pages_for_memory
+from .speculative import SpeculativeConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    page_size: int
+    num_pages: int                   # serving KV pages (the scratch pages of prompt scoring come on top)
+    max_pages_per_seq: int
+    num_slots: int                   # recurrent-state / penalty slots = max_num_seqs (+1 for prompt scoring)
+    num_snapshots: int               # prefix-cache snapshot slots (0: none)
+    prefix_caching: bool
+    prompt_logprobs: bool            # one scratch sequence (pages + slot) scores prompts
+
+    @property
+    def scratch_pages(self) -> int:
+        return self.max_pages_per_seq if self.prompt_logprobs else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class LoRAConfig:
+    max_loras: int
+    max_lora_rank: int
+    max_cpu_loras: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig
+    dtype: object                    # jnp dtype of weights and state
+    kernels: Kernels
+    max_model_len: int
+    cache: CacheConfig
+    scheduler: SchedulerConfig       # swap sizes filled in by EngineCore (they come from the state's shapes)
+    speculative: SpeculativeConfig | None
+    lora: LoRAConfig | None
+    seed: int
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.scheduler.max_num_seqs
+
+    @property
+    def mtp_drafts(self) -> int:
+        """Drafts the MTP head makes per step (0: not MTP)."""
+        s = self.speculative
+        return s.num_drafts if s is not None and s.method == "mtp" else 0
+
+    @property
+    def max_verify_tokens(self) -> int:
+        return 1 + (self.speculative.num_drafts if self.speculative else 0)
+
+    @classmethod
+    def create(cls, args: EngineArgs, cfg: ModelConfig, dtype, kernels: Kernels) -> "EngineConfig":
+        a = args
+        for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_chunk", "max_prefill_rows",
+                     "max_num_batched_tokens", "num_pages"):
+            v = getattr(a, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        spec = SpeculativeConfig.parse(a.speculative)
+        max_model_len = a.max_model_len or min(cfg.max_position_embeddings, 4096)
+        num_pages = a.num_pages
+        if a.kv_cache_memory is not None:
+            if num_pages is not None:
+                raise ValueError("give num_pages or kv_cache_memory, not both")
+            num_pages = pages_for_memory(cfg, dtype, a.page_size, a.kv_cache_memory)
+        seqs = a.max_num_seqs or default_max_num_seqs(cfg, dtype, a.page_size, max_model_len, num_pages,
+                                                      1 + (spec.num_drafts if spec else 0))
+        per_seq = -(-max_model_len // a.page_size)
+        num_pages = num_pages or seqs * per_seq
+        cache = CacheConfig(a.page_size, num_pages, per_seq, seqs + bool(a.enable_prompt_logprobs),
+                            snapshot_slots(cfg, dtype, a.enable_prefix_caching, a.prefix_snapshot_bytes, seqs),
+                            a.enable_prefix_caching, a.enable_prompt_logprobs)
+        sched = SchedulerConfig(
+            max_num_seqs=seqs, max_num_batched_tokens=a.max_num_batched_tokens or max(512, a.max_prefill_chunk),
+            max_prefill_chunk=a.max_prefill_chunk, max_prefill_rows=a.max_prefill_rows,
+            preemption_mode=a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
+            watermark_pages=default_watermark(num_pages), num_drafts=spec.num_drafts if spec else 0,
+            mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
+            max_model_len=max_model_len)
+        lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
+        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed)
