@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from atlas_jax.kernels import resolve_kernels
 from atlas_jax.layers import moe as moe_mod
 
 
@@ -94,7 +95,7 @@ def main():
     p = {name: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.03)
          for name, shape in (("gate", (e, h, f)), ("up", (e, h, f)), ("down", (e, f, h)))}
     router = jnp.asarray(rng.standard_normal((h, e), np.float32))
-    packed = jax.jit(moe_mod.pack_experts)(p) if moe_mod.cpu_kernel_applies(p) else None
+    packed = jax.jit(moe_mod.pack_experts)(p) if resolve_kernels("auto").packs_experts(p["up"]) else None
     report = {"backend": jax.default_backend(), "experts": e, "top_k": k, "hidden": h, "inter": f, "rows": []}
     for n in (int(t) for t in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((n, h), np.float32))

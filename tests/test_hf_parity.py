@@ -36,9 +36,14 @@ FAMILIES = [
 
 
 # Chunked prefill is family-agnostic machinery: the default run checks it on one family of each kind.
+# The pure-XLA path (kernels="xla": the GPU fallback and the kernels' reference) on one family of each kind
+# by default, every family in the slow run.
 SLOW_IDS = tuple(f"test_chunked_prefill_matches_one_shot[{name}-" for name in
                  ("qwen3_mha_tied_bias", "qwen3_moe_norenorm", "qwen3_next_tied_hv_eq_hk", "qwen3_5",
-                  "qwen3_5_vl_tied_sharded", "nemotron_h_g1_latent_fused"))
+                  "qwen3_5_vl_tied_sharded", "nemotron_h_g1_latent_fused")) + \
+    tuple(f"test_pure_xla_path_matches_hf[{name}]" for name in
+          ("qwen3_mha_tied_bias", "qwen3_moe_norenorm", "qwen3_next", "qwen3_5", "qwen3_5_vl_tied_sharded",
+           "nemotron_h"))
 
 
 @pytest.fixture(scope="module", params=FAMILIES, ids=[f[0] for f in FAMILIES])
@@ -79,6 +84,22 @@ def test_greedy_generation_matches_hf(family_llm):
     for prompt, out in zip(prompts, outs):
         assert out.outputs[0].token_ids == hf_models.hf_greedy(hf, prompt, 24)
         assert out.outputs[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("family", FAMILIES, ids=[f[0] for f in FAMILIES])
+def test_pure_xla_path_matches_hf(family, ckpt_dir):
+    """The same parity (prompt logits through the paged cache, greedy tokens) with kernels="xla": no
+    CPU custom call, no Pallas kernel in the step (the default engine above uses the CPU kernels)."""
+    name, maker, kw = family
+    path, hf = ckpt_dir(name, maker, **kw)
+    llm = LLM(path, dtype="float32", page_size=4, max_num_seqs=4, max_model_len=256, warmup=False, kernels="xla")
+    assert llm.kernels.name == "xla" and not llm.kernels.cpu
+    ids = random_prompts(llm.cfg.vocab_size, [45], seed=1)[0]
+    np.testing.assert_allclose(llm.prompt_logits(ids), hf_logits(hf, ids), atol=2e-5, rtol=1e-4)
+    prompts = random_prompts(llm.cfg.vocab_size, [3, 17], seed=3)
+    for prompt, out in zip(prompts, llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0.0,
+                                                                         ignore_eos=True))):
+        assert out.outputs[0].token_ids == hf_models.hf_greedy(hf, prompt, 16)
 
 
 def test_qwen3_5_vision_checkpoint_loads_its_language_model(ckpt_dir, caplog):

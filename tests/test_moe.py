@@ -82,7 +82,7 @@ def test_pallas_dispatch_matches_dense_reference(n, k):
     x = jax.random.normal(jax.random.PRNGKey(7 + n), (n, 32))
     ref = _dense_reference(p, x, k, True)
     kernels = Kernels(pallas=True, interpret=INTERPRET)
-    assert moe_mod.dispatch_for("cpu", n * k, 6, kernels, (32, 16)) == "pallas"
+    assert kernels.moe(n * k, 6, (32, 16)) == "pallas"
     out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels))(p, x)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
@@ -137,11 +137,12 @@ def test_dispatch_choice():
     Pallas, few pairs gather their experts rather than ragged_dot's dense expansion."""
     assert moe_mod.block_rows(1 * 10, 512) == 1
     assert moe_mod.block_rows(4096 * 10, 512) == 64
-    assert moe_mod.dispatch_for("cpu") == "blocked"
-    assert moe_mod.dispatch_for("gpu", 320, 512) == "gather" and moe_mod.dispatch_for("gpu", 5120, 512) == "ragged"
-    compiled = Kernels(pallas=True)
-    assert moe_mod.dispatch_for("gpu", 10, 512, compiled, (2048, 512)) == "pallas"
-    assert moe_mod.dispatch_for("gpu", 10, 512, compiled, (2048, 24)) == "gather"     # tile-less shape: XLA
+    cpu, gpu = Kernels(platform="cpu"), Kernels(platform="gpu")
+    assert cpu.moe() == "blocked"
+    assert gpu.moe(320, 512) == "gather" and gpu.moe(5120, 512) == "ragged"
+    compiled = Kernels(pallas=True, platform="gpu")
+    assert compiled.moe(10, 512, (2048, 512)) == "pallas"
+    assert compiled.moe(10, 512, (2048, 24)) == "gather"     # tile-less shape: XLA
 
 
 @settings(max_examples=examples(8), deadline=None)
@@ -206,6 +207,6 @@ def test_sigmoid_grouped_moe_matches_reference(n, k, n_group, topk_group):
         np.testing.assert_allclose(jax.jit(dispatch)(p["experts"], xl, w, ids),
                                    jax.jit(moe_mod._experts_blocked)(p["experts"], xl, w, ids), atol=1e-5, rtol=1e-5)
     kernels = Kernels(pallas=True, interpret=INTERPRET)
-    assert moe_mod.dispatch_for("cpu", n * k, e, kernels, (d, f)) == "pallas"
+    assert kernels.moe(n * k, e, (d, f)) == "pallas"
     pallas = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels, routing))
     np.testing.assert_allclose(pallas(p, x), ref, atol=1e-4, rtol=1e-4)

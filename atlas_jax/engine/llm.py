@@ -8,6 +8,7 @@ join and leave the running batch independently (core.py, scheduler.py).
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import jax
@@ -25,6 +26,8 @@ from .lora import LoRARequest
 from .sampling_params import SamplingParams
 from .engine_config import EngineConfig
 from .speculative import load_token_map
+
+log = logging.getLogger("atlas_jax.engine")
 
 _DTYPES = {"bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16, "float32": jnp.float32, "fp32": jnp.float32,
            "float16": jnp.float16, "fp16": jnp.float16}
@@ -62,6 +65,7 @@ class LLM:
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
         self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels)
         self.max_model_len = self.config.max_model_len
+        log.info("op table: %s", self.kernels.describe(self.cfg, self.dtype, a.page_size))
         self.engine = EngineCore(self.config, params, self.tokenizer,
                                  load_token_map(self.config.speculative, self.model_path, self.cfg.vocab_size))
         self.runner = self.engine.runner

@@ -57,7 +57,7 @@ class ModelRunner:
         if mtp_drafts and mtp_token_ids is not None:
             params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids)}
         # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
-        self.params = pack_linears(pack_params(params)) if kernels.cpu else params
+        self.params = pack_linears(pack_params(params, kernels), kernels) if kernels.cpu else params
         self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size
         self.num_slots, self.max_pages_per_seq = c.num_slots, c.max_pages_per_seq
         s = config.scheduler

@@ -21,7 +21,6 @@ from .norms import rms_norm
 from .rope import apply_rope
 
 KV_BLOCK_TOKENS = 256
-CPU_KERNEL_TOKENS = 8      # Kernels.cpu: segments of up to this many tokens a row (decode, verify) read pages in place
 
 
 def write_kv(pages, new, batch):
@@ -52,7 +51,7 @@ def paged_attention(q, k_pages, v_pages, batch, scale: float, soft_cap: float | 
     qg = q.reshape(b, t, hkv, h // hkv, d)
     limit = jnp.minimum(batch.positions, (batch.start + batch.q_len - 1)[:, None])     # [B, T]
     if static_blocks is None:
-        static_blocks = jax.default_backend() != "cpu"
+        static_blocks = XLA.attention_static_blocks()          # ad-hoc calls; layers pass their table's
     if not static_blocks:
         num_blocks = (jnp.max(batch.start + batch.q_len) + blk - 1) // blk
     else:
@@ -120,15 +119,16 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
         v_pages = write_kv(v_pages, v_s, seg)
     outs = []
     for seg, q_s in zip(segments, split_segments(q, segments)):
-        if kernels.pallas and (kernels.interpret or pallas_attention.supported(k_pages.shape[1], hd)):
+        impl = kernels.attention(k_pages.shape[1], hd, q_s.shape[1], k_pages.dtype)
+        if impl == "pallas":
             o = pallas_attention.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
                                                  scale=hd ** -0.5, interpret=kernels.interpret)
-        elif kernels.cpu and q_s.shape[1] <= CPU_KERNEL_TOKENS and k_pages.dtype == jnp.float32 \
-                and cpu_kernels.available():
+        elif impl == "cpu":
             o = cpu_kernels.paged_attention(q_s, k_pages, v_pages, seg.block_table, seg.start, seg.q_len,
                                             hd ** -0.5).astype(q_s.dtype)
         else:
-            o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5)
+            o, k_pages, v_pages = paged_attention(q_s, k_pages, v_pages, seg, hd ** -0.5,
+                                                  static_blocks=kernels.attention_static_blocks())
         outs.append(o)
     o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:

@@ -218,9 +218,10 @@ def mix(mixed, ssm, batch, conv_w, prepare, kernels: Kernels = XLA, conv_b=None,
     valid = batch.valid[..., None]
     g, beta = jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0)
 
-    if kernels.pallas and (kernels.interpret or pallas_gdn.supported(q.shape[-1], v.shape[-1])):
+    impl = kernels.gdn(q.shape[-1], v.shape[-1], h_pool.dtype)
+    if impl == "pallas":
         o, h_pool = pallas_core(q, k, v, g, beta, h_pool, batch, fresh, kernels.interpret, delta_rule)
-    elif kernels.cpu and h_pool.dtype == jnp.float32 and cpu_kernels.available():
+    elif impl == "cpu":
         o, h_pool = cpu_kernels.gdn_recurrent(q, k, v, g, beta, h_pool, batch.slot, batch.state_idx, batch.q_len,
                                               fresh, delta_rule)     # in place: no slot gather / scatter
     else:
@@ -276,7 +277,7 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     n = x.shape[0]
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
-    if kernels.cpu and x.dtype == jnp.float32 and all(s.dtype == jnp.float32 for s in ssm) and cpu_kernels.available():
+    if kernels.gdn_fused(x.dtype, *(s.dtype for s in ssm)):
         return _cpu_layer(p, x, ssm, segments, cfg, slot)
     if "qkvz" in p:
         qkvz = project(x, p, "qkvz", slot).reshape(n, hk, 2 * dk + 2 * r * dv)

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 
 from .. import cpu_kernels
+from ..kernels import CPU, Kernels
 
 PANEL = cpu_kernels.LINEAR_PANEL
 # param keys that are [in, out] projections applied as x @ w (layers/*, models/mtp.py, decoder.lm_head)
 PROJECTIONS = frozenset({"q", "k", "v", "o", "qkvz", "qkv", "z", "out", "in_proj", "gate", "up", "down",
                          "latent_in", "latent_out", "fc", "lm_head"})
-MIN_OUT = PANEL          # narrower outputs (routers, gates) would be mostly padding: XLA keeps them
 
 
 @jax.tree_util.register_dataclass
@@ -52,9 +52,8 @@ def pack_linear(w) -> PackedLinear:
     return PackedLinear(cpu_kernels.strip_panels(padded_w, PANEL, cpu_kernels.strips()[1]), n)
 
 
-def packs(key, w) -> bool:
-    return (key in PROJECTIONS and isinstance(w, jax.Array) and w.ndim == 2 and w.dtype == jnp.float32
-            and w.shape[1] >= MIN_OUT and jax.default_backend() == "cpu" and cpu_kernels.available())
+def packs(key, w, kernels: Kernels = CPU) -> bool:
+    return key in PROJECTIONS and isinstance(w, jax.Array) and kernels.packs_linear(w)
 
 
 def replace_params(params, applies, replace):
@@ -69,6 +68,6 @@ def replace_params(params, applies, replace):
     return walk(params)
 
 
-def pack_linears(params):
+def pack_linears(params, kernels: Kernels = CPU):
     """params with every projection packed (see `packs`); the packed arrays replace the originals."""
-    return replace_params(params, packs, jax.jit(pack_linear))
+    return replace_params(params, lambda k, w: packs(k, w, kernels), jax.jit(pack_linear))

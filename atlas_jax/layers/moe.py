@@ -11,8 +11,8 @@ sorted by expert and run by one of five dispatches. Packed experts (`pack_params
 ModelRunner under Kernels.cpu, the CPU default when `atlas_jax.cpu_kernels` builds) always take:
   * "cpu"     (XLA:CPU custom call, cpu_kernels/moe_experts.cc): each expert's panels read in place,
     only routed experts read; 2-4x the blocked scan at 1-2048 tokens (scripts/bench_moe.py).
-The others take the checkpoint's [E, H, F] layout; `dispatch_for` chooses among them (the one place
-the choice is made, at trace time from the platform and the shapes):
+The others take the checkpoint's [E, H, F] layout; the op table chooses among them (`Kernels.moe`, from
+its platform and the shapes):
   * "pallas"  (Pallas kernels): `block_layout` pads each expert's run of pairs to whole blocks
     of tb >= 16 rows; `pallas_kernels.grouped_matmul` multiplies each block by its expert's
     weights, read in place: only routed experts are read.
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from pallas_kernels import grouped_matmul as pallas_gmm
 
 from .. import cpu_kernels
-from ..kernels import XLA, Kernels
+from ..kernels import CPU, XLA, Kernels
 from .linear import replace_params
 from .mlp import mlp
 
@@ -52,16 +52,6 @@ def _act(gate, up):
     """The expert hidden activation: silu(gate) * up (SwiGLU), or relu(up)^2 when there is no gate."""
     up = up.astype(jnp.float32)
     return jnp.square(jax.nn.relu(up)) if gate is None else jax.nn.silu(gate.astype(jnp.float32)) * up
-
-
-def dispatch_for(backend: str, num_pairs: int = 1, num_experts: int = 1, kernels: Kernels = XLA,
-                 dims: tuple[int, int] = (16, 16)) -> str:
-    """dims = (hidden, expert intermediate): shapes the compiled grouped matmul must take."""
-    if kernels.pallas and pallas_gmm.supported(*dims):
-        return "pallas"
-    if backend == "cpu":
-        return "blocked"
-    return "gather" if num_pairs <= num_experts else "ragged"
 
 
 def block_rows(num_pairs: int, num_experts: int) -> int:
@@ -200,21 +190,15 @@ def pack_experts(experts: dict) -> dict:
     return {"gate_up": gate_up, "down": cpu_kernels.strip_panels(down, PANEL_DN, sd)}
 
 
-def cpu_kernel_applies(experts: dict) -> bool:
-    return (jax.default_backend() == "cpu" and experts["up"].ndim == 3 and experts["up"].dtype == jnp.float32
-            and cpu_kernels.available())
-
-
-def pack_params(params):
-    """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel when it applies;
-    params unchanged otherwise. The packed arrays replace the originals (no second copy is kept)."""
-    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and cpu_kernel_applies(v)
+def pack_params(params, kernels: Kernels = CPU):
+    """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel where the table says
+    (Kernels.packs_experts); params unchanged otherwise. The packed arrays replace the originals."""
+    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and kernels.packs_experts(v["up"])
     return replace_params(params, applies, jax.jit(pack_experts))
 
 
 def _experts_cpu(p, x, weights, ids):
     """Packed experts through the CPU custom call; x [N, H] fp32."""
-    cpu_kernels.available()                                    # registers the target (built once)
     k = ids.shape[1]
     order, _, sizes = _sort_pairs(ids, p["gate_up"].shape[0])
     y = cpu_kernels.moe_experts(x.astype(jnp.float32), (order // k).astype(jnp.int32),
@@ -234,7 +218,7 @@ def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Ro
         dispatch = "cpu"
     else:
         e, h_dim, f_dim = p["experts"]["up"].shape
-        dispatch = dispatch_for(jax.default_backend(), x2.shape[0] * top_k, e, kernels, (h_dim, f_dim))
+        dispatch = kernels.moe(x2.shape[0] * top_k, e, (h_dim, f_dim))
     if dispatch == "cpu":
         y = _experts_cpu(p["experts"], xe, weights, ids)
     elif dispatch == "pallas":
