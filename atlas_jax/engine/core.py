@@ -21,13 +21,20 @@ from .introspection import EngineIntrospection
 from .lora import LoRAManager, LoRARequest
 from .plan import LoadAdapter, SchedulerOutput
 from .request import Request
-from .runner import ModelRunner
+from .runner import Launched, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import SpecStats, make_proposer
 
 log = logging.getLogger("atlas_jax.engine")
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A dispatched plain step: its outputs on the device, and per row (seq, tokens fed, samples, draft_ok)."""
+    launched: Launched
+    work: list[tuple[Sequence, int, bool, bool]]
 
 
 class EngineCore(EngineIntrospection):
@@ -61,6 +68,10 @@ class EngineCore(EngineIntrospection):
         self.step_requests: list[str] = []           # request ids of the step being run (named if it kills the engine)
         self.num_failed_requests = 0                 # failed alone by step containment
         self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
+        # async scheduling: the dispatched step whose tokens the host has not read (None: none)
+        self.async_scheduling = config.async_scheduling and self.proposer is None
+        self.inflight: InFlight | None = None
+        self.num_overlapped = 0                      # steps dispatched before the previous one was resolved
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
@@ -101,33 +112,53 @@ class EngineCore(EngineIntrospection):
         return req
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.inflight is not None
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """Schedule and run one step. Returns the requests that got tokens, finished or failed.
+
+        Async scheduling (the default without speculation): the step is dispatched and the step before
+        it is resolved while the device runs it, so the host reads a step's tokens one step late
+        (`Sequence.pending`; the device feeds them from `EngineState.last_tokens`). Outputs equal
+        synchronous stepping: the host's bookkeeping that a step's ops depend on (cache progress,
+        pages, prefix registration, snapshots) is exact at dispatch, only token ids wait; a sequence
+        that turns out to have finished had one more row run, whose token is dropped.
 
         A step that raises is contained: while the device state survived (the failure came before
         the device ran: host-side inputs), every scheduled sequence runs again alone, and a request
         whose own step raises fails alone (finish_reason "error", `Request.error`); the rest make
         their progress. Only a failure that consumed the donated state is raised (the engine is
         then dead). Host work after the device ran is contained per row (`_contain`)."""
+        touched: dict[str, Request] = {}
         self.step_requests = []
+        if self.inflight is not None and not self._may_overlap():
+            self._resolve(touched)
         plan = self.scheduler.schedule()
         failed = self._apply(plan)                   # swaps, prefix / adapter loads, snapshots: before the step
         self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
         if plan.empty:
-            if self.scheduler.has_work() and not failed:
+            if self.inflight is not None:
+                self._resolve(touched)
+            elif self.scheduler.has_work() and not failed:
                 raise RuntimeError("scheduler could not schedule any sequence (a bug: admission guarantees fit)")
-            return failed
+            return failed + self._finish_step(touched)
         try:
-            return failed + self._run(plan, speculate=True)
+            self._run(plan, touched, speculate=True)
         except Exception as e:
             if self.runner.state_lost():
                 raise
             log.warning("step failed before the device ran (%r); running its %d sequences one by one",
                         e, len(plan.decode) + len(plan.prefill))
-            return failed + self._isolate(plan)
+            if self.inflight is not None:
+                self._resolve(touched)
+            self._isolate(plan, touched)
+        return failed + self._finish_step(touched)
+
+    def _may_overlap(self) -> bool:
+        """The next step may be scheduled before the one in flight is resolved: async scheduling, and no
+        running sequence whose next row's inputs need its pending token on the host (bad_words)."""
+        return self.async_scheduling and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
 
     def _apply(self, plan: SchedulerOutput) -> list[Request]:
         """Apply the plan's state ops in order. Contained: an adapter that could not be acquired while
@@ -152,8 +183,9 @@ class EngineCore(EngineIntrospection):
         plan.prefill = [(s, n) for s, n in plan.prefill if not s.finished]
         return list(touched.values())
 
-    def _run(self, plan: SchedulerOutput, speculate: bool) -> list[Request]:
-        """One forward: a plain step, or a verify step when a decoding row has drafts."""
+    def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
+        """One forward: a verify step when a decoding row has drafts (synchronous), else a plain step,
+        dispatched; the step in flight before it is resolved meanwhile (or this one, when synchronous)."""
         now, nd = time.monotonic(), len(plan.decode)
         work = [(s, 1) for s in plan.decode] + plan.prefill
         for s, _ in work:
@@ -162,37 +194,82 @@ class EngineCore(EngineIntrospection):
         drafts = self._drafts(plan) if speculate and self.proposer is not None and nd else [[]] * nd
         rows = [self.row(s, n, s in plan.draft_ok) for s, n in work]
         if any(drafts):
-            emitted, out = self.runner.verify(rows[:nd], drafts, rows[nd:])
-            self.spec_stats.verify_steps += 1
-        else:
-            out, emitted = self.runner.step(rows[:nd], rows[nd:]), None
-        self._keep_drafts([s for s, _ in work], rows)
+            self._verify(work, rows, drafts, touched)
+            return
+        launched = self.runner.launch(rows[:nd], rows[nd:])
         self.num_steps += 1
         if nd and self.proposer is not None:
-            self.spec_stats.record_decode(nd, sum(map(len, emitted)) if emitted else nd)
-        touched = {}
+            self.spec_stats.record_decode(nd, nd)
+        flight = InFlight(launched, [(s, n, self._dispatched(s, n), r.draft_ok) for (s, n), r in zip(work, rows)])
+        previous, self.inflight = self.inflight, flight
+        if previous is not None:
+            self.num_overlapped += 1
+            self._resolve(touched, previous)
+        if not self.async_scheduling:
+            self._resolve(touched)
+        for seq, _, _, _ in flight.work:               # registration and snapshots after the tokens before are known
+            if not seq.finished:
+                self._contain(seq, touched, lambda: self.scheduler.progressed(seq))
+
+    def _dispatched(self, seq: Sequence, n: int) -> bool:
+        """Host bookkeeping of a row at dispatch: n more tokens cached, and (True) a pending sampled token
+        when the row reached the last known one."""
+        seq.num_cached += n
+        seq.state_idx = min(n, self.runner.state_positions) - 1
+        if seq.num_uncached:
+            return False                                  # a prompt chunk that did not reach the end
+        seq.pending += 1
+        return True
+
+    def _resolve(self, touched: dict, flight: "InFlight | None" = None) -> None:
+        """Wait for a dispatched step (default: the one in flight) and record its sampled tokens."""
+        if flight is None:
+            flight, self.inflight = self.inflight, None
+        out = flight.launched.fetch()
+        if self.proposer is not None:
+            self._keep_drafts([s for s, _, _, _ in flight.work], [ok for _, _, _, ok in flight.work])
+        for i, (seq, _, samples, _) in enumerate(flight.work):
+            if samples and not seq.finished:              # finished meanwhile: this row's token is dropped
+                self._contain(seq, touched, lambda: self._emit(seq, out, i, touched))
+
+    def _emit(self, seq: Sequence, out: dict, i: int, touched: dict) -> None:
+        """Row i's sampled token reached the host: append it (stop checks), retire seq if it finished."""
+        seq.pending -= 1
+        seq.append(int(out["tokens"][i]), self._logprobs(seq, out, i))
+        touched[seq.request.request_id] = seq.request
+        if seq.finished:
+            self.scheduler.remove(seq)
+
+    def _verify(self, work: list, rows: list[RowInput], drafts: list[list[int]], touched: dict) -> None:
+        """A verify step (synchronous: speculation turns async scheduling off); rows without drafts get
+        the plain sample."""
+        nd = len(drafts)
+        emitted, out = self.runner.verify(rows[:nd], drafts, rows[nd:])
+        self.spec_stats.verify_steps += 1
+        self._keep_drafts([s for s, _ in work], [r.draft_ok for r in rows])
+        self.num_steps += 1
+        self.spec_stats.record_decode(nd, sum(map(len, emitted)))
         for i, (seq, n) in enumerate(work):
             if i < nd and drafts[i]:
                 self._contain(seq, touched, lambda: self._accept(seq, drafts[i], emitted[i], touched))
             else:
                 self._contain(seq, touched, lambda: self._advance(seq, n, out, i, touched))
-        return self._finish_step(touched)
 
-    def _isolate(self, plan: SchedulerOutput) -> list[Request]:
-        """Run each sequence of a failed plan alone; fail the requests whose own step raises."""
-        touched = {}
+    def _isolate(self, plan: SchedulerOutput, touched: dict) -> None:
+        """Run each sequence of a failed plan alone (synchronously); fail the requests whose own step raises."""
         for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
             if seq.finished or seq not in self.scheduler.running:
                 continue                                  # failed with a sibling, or preempted
             solo = SchedulerOutput(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)],
                                    draft_ok=plan.draft_ok)
             try:
-                touched.update((r.request_id, r) for r in self._run(solo, speculate=False))
+                self._run(solo, touched, speculate=False)
+                if self.inflight is not None:
+                    self._resolve(touched)
             except Exception as e:
                 if self.runner.state_lost():
                     raise
                 touched[seq.request.request_id] = self._fail(seq.request, e)
-        return list(touched.values())
 
     def _contain(self, seq: Sequence, touched: dict, fn) -> None:
         """Host bookkeeping of one row after the device ran: an exception fails that request only."""
@@ -208,17 +285,10 @@ class EngineCore(EngineIntrospection):
         return req
 
     def _advance(self, seq: Sequence, n: int, out: dict, i: int, touched: dict) -> None:
-        """After a plain row of n tokens: cache progress, and the sampled token when the row reached the end."""
-        seq.num_cached += n
-        seq.state_idx = min(n, self.runner.state_positions) - 1
-        if seq.num_uncached:
-            self.scheduler.progressed(seq)
-            return                                        # a prompt chunk that did not reach the end
-        seq.append(int(out["tokens"][i]), self._logprobs(seq, out, i))
-        touched[seq.request.request_id] = seq.request
-        if seq.finished:
-            self.scheduler.remove(seq)
-        else:
+        """After a synchronous plain row of n tokens (a verify step's rows without drafts)."""
+        if self._dispatched(seq, n):
+            self._emit(seq, out, i, touched)
+        if not seq.finished:
             self.scheduler.progressed(seq)
 
     def _finish_step(self, touched: dict) -> list[Request]:
@@ -239,16 +309,16 @@ class EngineCore(EngineIntrospection):
         """seq's next n tokens as a row (draft_ok: the MTP head drafts from it, SchedulerOutput.draft_ok)."""
         end = seq.num_cached + n
         return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
-                        params=seq.params, seed=seq.seed, step=len(seq.output_ids), prompt_len=len(seq.prompt_ids),
+                        params=seq.params, seed=seq.seed, step=seq.num_generated, prompt_len=len(seq.prompt_ids),
                         state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
                         logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
                         adapter=seq.adapter_slot or 0, draft_ok=draft_ok)
 
-    def _keep_drafts(self, seqs: list[Sequence], rows: list[RowInput]) -> None:
+    def _keep_drafts(self, seqs: list[Sequence], draft_ok: list[bool]) -> None:
         """MTP: the drafts this step made for each row, to verify next step."""
         drafts = self.runner.last_drafts
-        for i, (seq, row) in enumerate(zip(seqs, rows)):
-            seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and row.draft_ok else []
+        for i, (seq, ok) in enumerate(zip(seqs, draft_ok)):
+            seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and ok else []
 
     # ---- speculative decoding ---------------------------------------------------------------
     def _drafts(self, plan: SchedulerOutput) -> list[list[int]]:

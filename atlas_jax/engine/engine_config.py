@@ -48,6 +48,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None
     lora: LoRAConfig | None
     seed: int
+    async_scheduling: bool = False   # (without speculation: EngineCore.async_scheduling)
 
     @property
     def max_num_seqs(self) -> int:
@@ -93,4 +94,4 @@ class EngineConfig:
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
-        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed)
+        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling))

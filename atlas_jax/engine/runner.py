@@ -46,6 +46,30 @@ def draft_vocab(params, ids) -> dict:
     return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params), ids, axis=1)}
 
 
+def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
+    """Host arrays of the live rows: tokens, and (logprobs: some row asked) logprob, top_ids, top_logprobs."""
+    result = {"tokens": np.asarray(sampled.tokens)[live]}
+    if logprobs:
+        result.update(logprob=np.asarray(sampled.logprob)[live], top_ids=np.asarray(sampled.top_ids)[live],
+                      top_logprobs=np.asarray(sampled.top_logprobs)[live])
+    return result
+
+
+@dataclasses.dataclass
+class Launched:
+    """A dispatched step whose outputs are still on the device."""
+    runner: "ModelRunner"
+    sampled: object            # SampleOut (device)
+    drafts: object             # MTP drafts [rows, mtp_drafts] (device) or None
+    live: list[int]            # sampling rows that are real rows, in `decode + prefill` order
+    logprobs: bool             # some row asked for logprobs
+
+    def fetch(self) -> dict[str, np.ndarray]:
+        """Wait for the step; its outputs as host arrays (ModelRunner.step), MTP drafts to `runner.last_drafts`."""
+        self.runner.last_drafts = np.asarray(self.drafts)[self.live] if self.drafts is not None else None
+        return host_outputs(self.sampled, self.live, self.logprobs)
+
+
 class ModelRunner:
     def __init__(self, config, params, mtp_token_ids=None):
         """config: EngineConfig. With LoRA, a pool of max_loras adapters (+ slot 0, the base model) of rank
@@ -71,7 +95,7 @@ class ModelRunner:
                                  init_penalty_state(c.num_slots, cfg.vocab_size),
                                  init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
                                  init_snapshots(cfg, c.num_snapshots, dtype),
-                                 self._init_lora_pool(config.lora, dtype))
+                                 self._init_lora_pool(config.lora, dtype), jnp.zeros((c.num_slots,), jnp.int32))
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), self.params, self.state)
@@ -123,6 +147,11 @@ class ModelRunner:
         """One forward over decode rows (1 token each) and prefill rows (a chunk each), sampling one
         token per row. Returns host arrays indexed like `decode + prefill`: tokens, and (when some row
         asked) logprob, top_ids, top_logprobs."""
+        return self.launch(decode, prefill).fetch()
+
+    def launch(self, decode: list[RowInput], prefill: list[RowInput] = ()) -> "Launched":
+        """`step` without waiting: the step is dispatched (the device runs it after what is queued) and
+        its outputs stay on the device until `Launched.fetch()`."""
         g = self.grid
         rows = list(decode) + list(prefill)
         if not rows:
@@ -142,8 +171,7 @@ class ModelRunner:
         out, drafts = self._run("step", *self.batch.pack(tuple(x for x in (decode, prefill) if x), shape,
                                                          sampling_rows))
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
-        self.last_drafts = np.asarray(drafts)[live] if drafts is not None else None
-        return self._outputs(out, live, rows)
+        return Launched(self, out, drafts, live, any(r.params.logprobs is not None for r in rows))
 
     def verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = ()):
         """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none),
@@ -175,7 +203,7 @@ class ModelRunner:
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         self.last_drafts = np.asarray(new_drafts)[live] if new_drafts is not None else None
-        out = self._outputs(first, live, list(rows) + list(prefill))
+        out = host_outputs(first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)))
         target, accept = np.asarray(target), np.asarray(accept)
         runs = []
         for i, d in enumerate(drafts):
@@ -184,14 +212,6 @@ class ModelRunner:
                 n += 1
             runs.append([int(t) for t in d[:n]] + [int(target[i, n])] if d else [int(out["tokens"][i])])
         return runs, out
-
-    def _outputs(self, sampled, live, rows) -> dict[str, np.ndarray]:
-        """Host arrays of the live rows: tokens, and (when some row asked) logprob, top_ids, top_logprobs."""
-        result = {"tokens": np.asarray(sampled.tokens)[live]}
-        if any(r.params.logprobs is not None for r in rows):
-            result.update(logprob=np.asarray(sampled.logprob)[live], top_ids=np.asarray(sampled.top_ids)[live],
-                          top_logprobs=np.asarray(sampled.top_logprobs)[live])
-        return result
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
         """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""

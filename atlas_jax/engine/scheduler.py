@@ -162,8 +162,9 @@ class Scheduler:
         self._swap_in()
         decoding = [s for s in self.running if s.num_uncached == 1]       # decode rows first: 1 token each
         for seq in decoding + [s for s in self.running if s.num_uncached > 1]:
-            if seq not in self.running:                       # preempted while making room for another
-                continue
+            if seq not in self.running or (seq.pending and seq.num_tokens >= seq.max_len):
+                continue                                      # preempted while making room for another, or
+                                                              # its pending token is its last (async)
             n = self._chunk(seq, seq.num_cached, self._budget(chosen))
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 continue
@@ -240,7 +241,7 @@ class Scheduler:
             seen = []                                     # the first admissible waiting sequence, for fairness
             for seq in order:
                 seen.append(seq)
-                if seq.fork_leader is None or seq.fork_leader.fork_ready:
+                if (seq.fork_leader is None or seq.fork_leader.fork_ready) and not seq.pending:
                     self._preempt_for_fairness(seq, chosen)
                     break
             order = itertools.chain(seen, order)
@@ -248,10 +249,11 @@ class Scheduler:
         for seq in order:
             if self.swapped or len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
                 return
-            if (seq.fork_leader is not None and not seq.fork_leader.fork_ready) or \
+            if (seq.fork_leader is not None and not seq.fork_leader.fork_ready) or seq.pending or \
                     (adapters_blocked and seq.lora_name is not None) or any(f is seq for f, _ in self.failed):
                 continue                                  # a sibling waits for the shared prompt to be cached
-                                                          # (or an earlier sequence for an adapter slot)
+                                                          # (or an earlier sequence for an adapter slot; or a
+                                                          # preempted one for its last token to reach the host)
             budget = self._budget(chosen)
             hit = self._lookup(seq) if budget > 0 else None
             start = hit.length if hit is not None else 0
@@ -415,7 +417,10 @@ class Scheduler:
         cfg = self.config
         while self.swapped and len(self.running) < cfg.max_num_seqs and self.slots.num_free:
             load = Counter(s.client for s in self.running)      # the least-served client's oldest first
-            seq = min(self.swapped, key=lambda s: (load[s.client], s.order))
+            ready = [s for s in self.swapped if not s.pending]  # (async: its last token read)
+            if not ready:
+                return
+            seq = min(ready, key=lambda s: (load[s.client], s.order))
             need = self.blocks.pages_for(seq.num_cached)
             headroom = cfg.watermark_pages + 1 if self.running else 0
             if self.blocks.num_free < need + headroom or not self._take_adapter(seq):

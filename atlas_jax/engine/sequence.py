@@ -6,6 +6,11 @@ KV / recurrent state in the cache. The next row feeds tokens [num_cached, num_ca
 row whose chunk reaches the last known token samples the next one. So decode (one token
 behind), chunked prefill and re-prefill after a recompute preemption (num_cached reset to 0,
 outputs kept) are the same rule, and tokens already produced are never re-sampled.
+
+Async scheduling (core.py): a step's sampled tokens reach the host one step late. Such a token is
+`pending` — counted in num_tokens, its position fed by the next row as PENDING (the device reads
+it from its slot's last sampled token) — until the step is resolved and `append` records it.
+`output_ids` holds only tokens the host has read; stop checks run on them.
 """
 from __future__ import annotations
 
@@ -16,6 +21,8 @@ import time
 
 from ..frontend.detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
+
+PENDING = -1                 # a token id the host has not read yet (its slot's last sampled token on the device)
 
 
 class Status(enum.Enum):
@@ -63,6 +70,8 @@ class Sequence:
     num_cached: int = 0
     state_idx: int = 0                         # recurrent-state position holding the state after num_cached
     pending_drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts made by the last step
+    pending: int = 0                           # sampled tokens still on the device (async scheduling): <= 1 when
+                                               # a step is scheduled, 2 between a dispatch and the previous resolve
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
     swapped_state: object = None               # host copy while SWAPPED
@@ -98,7 +107,16 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids) + self.pending
+
+    @property
+    def num_known(self) -> int:
+        """Tokens whose ids the host has (num_tokens less the pending ones)."""
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.output_ids) + self.pending
 
     @property
     def num_uncached(self) -> int:
@@ -106,21 +124,26 @@ class Sequence:
 
     @property
     def decoding(self) -> bool:
-        return self.num_uncached == 1 and bool(self.output_ids)
+        return self.num_uncached == 1 and self.num_generated > 0
 
     def next_tokens(self, n: int) -> list[int]:
         """The next n uncached tokens (prompt, or outputs being re-prefilled, or the last sampled)."""
         return self.tokens_between(self.num_cached, self.num_cached + n)
 
     def tokens_between(self, lo: int, hi: int) -> list[int]:
+        """Tokens [lo, hi); PENDING where the host has not read them yet."""
         p = len(self.prompt_ids)
-        return self.prompt_ids[lo:min(hi, p)] + self.output_ids[max(lo - p, 0):max(hi - p, 0)]
+        known = self.prompt_ids[lo:min(hi, p)] + self.output_ids[max(lo - p, 0):max(hi - p, 0)]
+        return known + [PENDING] * max(0, min(hi, self.num_tokens) - max(lo, self.num_known))
 
     def all_tokens(self) -> list[int]:
+        """The tokens the host has read (pending ones excluded)."""
         return self.prompt_ids + self.output_ids
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_ids)
+        if i >= self.num_known:
+            return PENDING
         return self.prompt_ids[i] if i < p else self.output_ids[i - p]
 
     def append(self, token: int, logprobs: dict[int, float] | None = None) -> None:
@@ -145,7 +168,7 @@ class Sequence:
             self.finish("stop", token, text_ids=shown)
         elif eos:
             self.finish("stop", None, text_ids=shown)
-        elif self.num_tokens >= self.max_len:          # max_tokens or max_model_len
+        elif self.num_known >= self.max_len:           # max_tokens or max_model_len
             self.finish("length")
 
     def logit_adjustments(self) -> tuple[dict[int, float], bool]:
@@ -155,7 +178,7 @@ class Sequence:
         adjust = dict(p.logit_bias)
         for t in p.allowed_token_ids or ():
             adjust.setdefault(t, 0.0)
-        if len(self.output_ids) < p.min_tokens:
+        if self.num_generated < p.min_tokens:
             for t in p.stop_token_ids + (() if p.ignore_eos else self.eos_ids):
                 adjust[t] = -math.inf
         out = self.output_ids
@@ -169,6 +192,7 @@ class Sequence:
         if self.finished:
             return
         self.finish_reason, self.stop_reason, self.error = reason, stop_reason, error
+        self.pending = 0                            # tokens sampled after the end are dropped
         self.status = Status.FINISHED
         self.metrics.finished_time = time.monotonic()
         if self.detok is not None:

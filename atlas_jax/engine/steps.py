@@ -30,6 +30,21 @@ class EngineState:
                                # state after a cached prefix (state/prefix_cache.py); empty when off
     lora: dict = dataclasses.field(default_factory=dict)   # LoRA pool: param key -> (A [in, S, R], B [S, R, out]),
                                # slot 0 zeros (layers/lora.py, engine/lora.py); empty without LoRA
+    last_tokens: jax.Array | None = None   # [S] i32 each slot's last sampled token: what a PENDING (< 0) token
+                               # fed by the next step is (async scheduling: the host reads it a step late)
+
+
+def fill_pending(segments, last_tokens):
+    """Segments with each PENDING (negative) token replaced by its row's slot's last sampled token."""
+    if last_tokens is None:
+        return segments
+    return tuple(dataclasses.replace(seg, tokens=jnp.where(
+        seg.tokens < 0, jnp.take(last_tokens, seg.slot, mode="clip")[:, None], seg.tokens)) for seg in segments)
+
+
+def record_sampled(last_tokens, sampling, tokens):
+    """last_tokens[slot] := the token sampled for each row (padding rows' out-of-range slot: dropped)."""
+    return None if last_tokens is None else last_tokens.at[sampling.slot].set(tokens, mode="drop")
 
 
 def _params(params, state: EngineState):
@@ -39,6 +54,7 @@ def _params(params, state: EngineState):
 
 def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, mtp_in):
     """Decode rows and prefill chunks; one sampled token per row (+ MTP drafts)."""
+    segments = fill_pending(segments, state.last_tokens)
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
     logits, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels,
                                     all_hidden=mtp_drafts > 0)
@@ -53,7 +69,8 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
             offset += b
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
-    return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv)
+    return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv,
+                                              last_tokens=record_sampled(state.last_tokens, sampling, out.tokens))
 
 
 def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):

@@ -202,7 +202,7 @@ class PrefixCache:
         """Register seq's full pages up to its num_cached (its KV there is final). seq: a Sequence
         (pages, nodes, num_cached, token_at, tokens_between, cache_key)."""
         ps, la = self.ps, self.la
-        while (len(seq.nodes) + 1) * ps <= _known(seq):
+        while (len(seq.nodes) + 1) * ps <= _known(seq, la):
             k = len(seq.nodes)
             parent = seq.nodes[-1] if seq.nodes else self._root(seq.cache_key)
             if not parent.alive:
@@ -249,7 +249,7 @@ class PrefixCache:
         """(node, offset): where the KV of seq's first num_cached tokens ends, registering seq's
         partly filled page if no node holds those tokens yet. None if its chain is not cached."""
         self.commit(seq)
-        ps, la, pos = self.ps, self.la, _known(seq)
+        ps, la, pos = self.ps, self.la, _known(seq, self.la)
         k, m = divmod(pos, ps)
         if len(seq.nodes) < k or pos == 0:
             return None
@@ -279,7 +279,7 @@ class PrefixCache:
         """A snapshot slot for seq's recurrent state after its num_cached tokens (the caller copies
         the state into it), or None: nothing to do (no recurrent layers, the chain is not cached, or
         the snapshot exists)."""
-        if not self.recurrent or seq.num_cached != _known(seq):
+        if not self.recurrent or seq.num_cached != _known(seq, self.la):
             return None
         cov = self.cover(seq)
         if cov is None:
@@ -320,10 +320,13 @@ class PrefixCache:
         return len(self._by_page)
 
 
-def _known(seq) -> int:
-    """How many of seq's cached tokens the cache can describe: a stop inside an accepted run of
-    drafts leaves state for tokens the output does not keep (num_cached > tokens - 1)."""
-    return min(seq.num_cached, seq.num_tokens - 1)
+def _known(seq, lookahead: bool) -> int:
+    """How many of seq's cached tokens the cache can describe: those whose ids the host has read (async
+    scheduling: a sampled token may still be on the device), one fewer with lookahead keys (they need the
+    token after); a stop inside an accepted run of drafts leaves state for tokens the output does not
+    keep (num_cached > num_tokens)."""
+    known = getattr(seq, "num_known", seq.num_tokens)
+    return min(seq.num_cached, known - lookahead)
 
 
 def _common_prefix(a: tuple, b, offset: int) -> int:
