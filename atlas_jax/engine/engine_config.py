@@ -48,7 +48,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None
     lora: LoRAConfig | None
     seed: int
-    async_scheduling: bool = False   # (without speculation: EngineCore.async_scheduling)
+    async_scheduling: bool = True    # (without speculation: EngineCore.async_scheduling)
 
     @property
     def max_num_seqs(self) -> int:
