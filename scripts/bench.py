@@ -126,6 +126,8 @@ def main():
                     "held-out files (scripts/train_tiny.py's split) instead of random token ids")
     ap.add_argument("--b1-prompts", type=int, default=1, help="batch 1 runs this many prompts one after another "
                     "(a trained model's acceptance varies by prompt: one prompt is a poor sample)")
+    ap.add_argument("--async-ab", action="store_true", help="also decode with async scheduling on and off side by "
+                    "side: tokens/s and host / device-wait ms per decode step")
     ap.add_argument("--kernels", default="auto", help="auto (Pallas on GPU), xla, pallas")
     ap.add_argument("--prefill-prompts", default="", metavar="N,N", help="also measure prefill alone at these "
                     "prompt lengths (batch 1, chunks of up to 512 tokens, one engine of its own; HF beside it with "
@@ -193,6 +195,8 @@ def main():
                 "decode_achieved_gbs": round(step_bytes * steps * len(prompts) / b / t_decode / 1e9, 2),
                 "compiles_after_warmup": compiles,
             })
+            if rnd == 0 and args.async_ab:
+                row["scheduling"] = _sync_vs_async(llm, prompts, full, b)
             if spec is not None:
                 if rnd == 0:
                     truth.update({tuple(p): o.outputs[0].token_ids
@@ -255,23 +259,48 @@ def generate(llm, prompts, params, batch: int) -> list:
     return [o for i in range(0, len(prompts), batch) for o in llm.generate(prompts[i:i + batch], params)]
 
 
-def decode_seconds_per_token(llm, prompts, params, batch: int) -> float:
+def decode_seconds_per_token(llm, prompts, params, batch: int, timings: dict | None = None) -> float:
     """llm.generate's loop over `prompts`, `batch` at a time, timing only the steps that run once every row of the
     batch has its first token (nothing left to prefill: pure decode steps). Returns their seconds per token
     emitted. Total minus prefill-only time would make decode a small difference of two noisy numbers at large
-    batches (at batch 32 the prompts' prefill is ~3x the decode time)."""
-    seconds, tokens = 0.0, 0
+    batches (at batch 32 the prompts' prefill is ~3x the decode time). timings: filled with those steps'
+    count, seconds in EngineCore.step and seconds of it blocked on the device (the rest is host work)."""
+    seconds, tokens, core = 0.0, 0, llm.engine
+    steps, step_s, wait_s = 0, 0.0, 0.0
     for i in range(0, len(prompts), batch):
-        seqs = [s for p in prompts[i:i + batch] for s in llm.engine.add_request(p, params).seqs]
-        while llm.engine.has_unfinished():
+        seqs = [s for p in prompts[i:i + batch] for s in core.add_request(p, params).seqs]
+        while core.has_unfinished():
             before = sum(len(s.output_ids) for s in seqs)
             decoding = all(s.output_ids for s in seqs)
+            s0, w0 = core.step_seconds, core.runner.wait_seconds
             t0 = time.perf_counter()
-            llm.engine.step()
+            core.step()
             if decoding:
                 seconds += time.perf_counter() - t0
                 tokens += sum(len(s.output_ids) for s in seqs) - before
+                steps, step_s, wait_s = steps + 1, step_s + core.step_seconds - s0, wait_s + core.runner.wait_seconds - w0
+    if timings is not None:
+        timings.update(steps=steps, step_s=step_s, wait_s=wait_s)
     return seconds / tokens
+
+
+def _sync_vs_async(llm, prompts, params, batch: int) -> dict:
+    """Decode with async scheduling on and off, interleaved (best of 2 each): tokens/s, and per decode step the
+    host's own time and the time blocked on the device (async: the host prepares step t+1 while step t runs)."""
+    core, out = llm.engine, {}
+    for rep in range(2):
+        for on in (True, False):
+            core.async_scheduling, t = on, {}
+            rate = 1 / decode_seconds_per_token(llm, prompts, params, batch, t)
+            key = "async" if on else "sync"
+            if rate > out.get(key, {}).get("decode_tokens_per_s", 0):
+                out[key] = {"decode_tokens_per_s": round(rate, 1),
+                            "step_ms": round(1e3 * t["step_s"] / t["steps"], 3),
+                            "host_ms_per_step": round(1e3 * (t["step_s"] - t["wait_s"]) / t["steps"], 3),
+                            "device_wait_ms_per_step": round(1e3 * t["wait_s"] / t["steps"], 3)}
+    core.async_scheduling = True
+    out["async_vs_sync"] = round(out["async"]["decode_tokens_per_s"] / out["sync"]["decode_tokens_per_s"], 3)
+    return out
 
 
 def _spec_throughput(spec, prompts, batch: int, full, first, steps, t_plain: float, best: dict, plain_rate: float,

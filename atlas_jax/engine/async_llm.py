@@ -274,6 +274,7 @@ class AsyncLLM:
             req = self.engine.abort(rid)
             if req is not None:
                 self._emit(req)
+        self.engine.drain()                              # the step in flight: its tokens are dropped
         with self._lock:
             unsubmitted = list(self._streams)           # "add" commands never handled: their callers wait
         for rid in unsubmitted:

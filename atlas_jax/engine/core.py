@@ -72,6 +72,7 @@ class EngineCore(EngineIntrospection):
         self.async_scheduling = config.async_scheduling and self.proposer is None
         self.inflight: InFlight | None = None
         self.num_overlapped = 0                      # steps dispatched before the previous one was resolved
+        self.step_seconds = 0.0                      # in step(); less runner.wait_seconds: the host's own time
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,
@@ -111,6 +112,13 @@ class EngineCore(EngineIntrospection):
             req.error = error
         return req
 
+    def drain(self) -> list[Request]:
+        """Resolve the step in flight, if any (rows of aborted or finished sequences drop their tokens)."""
+        touched: dict[str, Request] = {}
+        if self.inflight is not None:
+            self._resolve(touched)
+        return self._finish_step(touched)
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or self.inflight is not None
 
@@ -130,6 +138,13 @@ class EngineCore(EngineIntrospection):
         whose own step raises fails alone (finish_reason "error", `Request.error`); the rest make
         their progress. Only a failure that consumed the donated state is raised (the engine is
         then dead). Host work after the device ran is contained per row (`_contain`)."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds += time.perf_counter() - t0
+
+    def _step(self) -> list[Request]:
         touched: dict[str, Request] = {}
         self.step_requests = []
         if self.inflight is not None and not self._may_overlap():

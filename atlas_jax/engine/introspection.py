@@ -18,7 +18,8 @@ class EngineIntrospection:
                 "free_pages": self.blocks.num_free, "num_pages": self.num_pages, "free_slots": self.slots.num_free,
                 "num_slots": self.slots.capacity, "num_preemptions": dict(s.num_preemptions),
                 "num_compiles": self.num_compiles, "warmup_pending": self.runner.exes.pending,
-                "num_steps": self.num_steps,
+                "num_steps": self.num_steps, "num_overlapped": self.num_overlapped,
+                "step_seconds": self.step_seconds, "wait_seconds": self.runner.wait_seconds,
                 "num_failed_requests": self.num_failed_requests, "num_aborted": dict(self.num_aborted),
                 "prefix_cache": self.prefix_cache_stats(), "lora": self.lora_stats()}
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,9 @@ class Launched:
     logprobs: bool             # some row asked for logprobs
 
     def fetch(self) -> dict[str, np.ndarray]:
-        """Wait for the step; its outputs as host arrays (ModelRunner.step), MTP drafts to `runner.last_drafts`."""
+        """Wait for the step; its outputs as host arrays (ModelRunner.step), MTP drafts to `runner.last_drafts`.
+        The time blocked here adds to `runner.wait_seconds`."""
+        self.runner.wait((self.sampled, self.drafts))
         self.runner.last_drafts = np.asarray(self.drafts)[self.live] if self.drafts is not None else None
         return host_outputs(self.sampled, self.live, self.logprobs)
 
@@ -99,6 +102,7 @@ class ModelRunner:
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), self.params, self.state)
+        self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
@@ -173,6 +177,13 @@ class ModelRunner:
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
         return Launched(self, out, drafts, live, any(r.params.logprobs is not None for r in rows))
 
+    def wait(self, outputs):
+        """Block until a step's device outputs are ready; the time blocked adds to `wait_seconds`."""
+        t0 = time.perf_counter()
+        jax.block_until_ready(outputs)
+        self.wait_seconds += time.perf_counter() - t0
+        return outputs
+
     def verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = ()):
         """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none),
         optionally beside prefill rows (a mixed step). Compiled per (batch bucket, K = 1 + the most
@@ -199,7 +210,8 @@ class ModelRunner:
         sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
         segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
                                                                   sampling_rows)
-        first, target, accept, new_drafts = self._run("verify", segments, sampling, prompt_lens, draft_cols, mtp_in)
+        first, target, accept, new_drafts = self.wait(self._run("verify", segments, sampling, prompt_lens,
+                                                                draft_cols, mtp_in))
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         self.last_drafts = np.asarray(new_drafts)[live] if new_drafts is not None else None
