@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .engine.input_batch import RowInput
+from .engine.row import RowInput
 
 
 @dataclasses.dataclass

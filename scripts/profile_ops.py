@@ -28,7 +28,7 @@ from bench import MAKE, checkpoint_path  # noqa: E402
 from profile_step import step_inputs  # noqa: E402
 
 from atlas_jax import LLM  # noqa: E402
-from atlas_jax.engine.input_batch import RowInput  # noqa: E402
+from atlas_jax.engine.row import RowInput  # noqa: E402
 
 _HOST_EVENTS = ("ThunkExecutor", "Common", "Pjit", "$", "Slinky", "Threadpool", "Allocate", "Handle", "Parse",
                 "Python", "Wait", "DevicePut", "end:")

@@ -19,7 +19,7 @@ import numpy as np
 
 from atlas_jax import LLM, SamplingParams
 from atlas_jax.engine.buckets import bucket
-from atlas_jax.engine.input_batch import RowInput
+from atlas_jax.engine.row import RowInput
 
 
 def best_ms(fn, iters: int) -> float:

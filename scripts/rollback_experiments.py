@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from atlas_jax import LLM, SamplingParams  # noqa: E402
-from atlas_jax.engine.input_batch import RowInput  # noqa: E402
+from atlas_jax.engine.row import RowInput  # noqa: E402
 from atlas_jax.research import StateLab  # noqa: E402
 
 ENGINE = dict(page_size=16, max_num_seqs=8, max_model_len=1024, max_prefill_chunk=256, warmup=False, progress=False)

@@ -10,7 +10,7 @@ from conftest import random_prompts
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.buckets import mixed_decode_buckets, powers_of_two, prefill_token_buckets
-from atlas_jax.engine.input_batch import RowInput
+from atlas_jax.engine.row import RowInput
 from atlas_jax.engine.sampler import SamplingBatch, sample
 from atlas_jax.engine.sampling_params import BIAS_COLUMNS, NO_BIAS
 

@@ -11,16 +11,16 @@ import dataclasses
 import logging
 import time
 
-from ..errors import AdapterUnavailableError
 from ..state.allocator import BlockAllocator, SlotAllocator
 from ..state.prefix_cache import PrefixCache
+from . import containment, spec_steps
 from .engine_config import EngineConfig
-from .input_batch import RowInput
 from .input_processor import InputProcessor
 from .introspection import EngineIntrospection
 from .lora import LoRAManager, LoRARequest
-from .plan import LoadAdapter, SchedulerOutput
+from .plan import SchedulerOutput
 from .request import Request
+from .row import row_logprobs, row_of
 from .runner import Launched, ModelRunner
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
@@ -150,7 +150,7 @@ class EngineCore(EngineIntrospection):
         if self.inflight is not None and not self._may_overlap():
             self._resolve(touched)
         plan = self.scheduler.schedule()
-        failed = self._apply(plan)                   # swaps, prefix / adapter loads, snapshots: before the step
+        failed = containment.apply_ops(self, plan)                   # swaps, prefix / adapter loads, snapshots: before the step
         self.step_requests = sorted({s.request_id for s in plan.decode + [s for s, _ in plan.prefill]})
         if plan.empty:
             if self.inflight is not None:
@@ -167,36 +167,13 @@ class EngineCore(EngineIntrospection):
                         e, len(plan.decode) + len(plan.prefill))
             if self.inflight is not None:
                 self._resolve(touched)
-            self._isolate(plan, touched)
+            containment.isolate(self, plan, touched)
         return failed + self._finish_step(touched)
 
     def _may_overlap(self) -> bool:
         """The next step may be scheduled before the one in flight is resolved: async scheduling, and no
         running sequence whose next row's inputs need its pending token on the host (bad_words)."""
         return self.async_scheduling and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
-
-    def _apply(self, plan: SchedulerOutput) -> list[Request]:
-        """Apply the plan's state ops in order. Contained: an adapter that could not be acquired while
-        scheduling, or whose LoadAdapter op raises (before the device ran), fails the requests that
-        asked for it; their siblings leave the plan with them. Anything else, or a lost state, raises."""
-        failures, self.scheduler.failed = list(self.scheduler.failed), []
-        for op in plan.ops:
-            try:
-                self.runner.state_ops.apply(op)
-            except Exception as e:
-                if not isinstance(op, LoadAdapter) or self.runner.state_lost():
-                    raise
-                self.lora.load_failed(op.slot, op.uid)
-                error = AdapterUnavailableError(f"adapter slot {op.slot} could not be loaded: {e!r}")
-                failures += [(s, error) for s in self.scheduler.running
-                             if s.adapter_slot == op.slot and s.cache_key == op.uid]
-        touched = {}
-        for seq, e in failures:
-            if seq.request.request_id in self.requests:
-                touched[seq.request.request_id] = self._fail(seq.request, e)
-        plan.decode = [s for s in plan.decode if not s.finished]
-        plan.prefill = [(s, n) for s, n in plan.prefill if not s.finished]
-        return list(touched.values())
 
     def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
         """One forward: a verify step when a decoding row has drafts (synchronous), else a plain step,
@@ -206,10 +183,10 @@ class EngineCore(EngineIntrospection):
         for s, _ in work:
             if s.metrics.first_scheduled_time is None:
                 s.metrics.first_scheduled_time = now
-        drafts = self._drafts(plan) if speculate and self.proposer is not None and nd else [[]] * nd
-        rows = [self.row(s, n, s in plan.draft_ok) for s, n in work]
+        drafts = spec_steps.drafts_for(self, plan) if speculate and self.proposer is not None and nd else [[]] * nd
+        rows = [row_of(s, n, s in plan.draft_ok) for s, n in work]
         if any(drafts):
-            self._verify(work, rows, drafts, touched)
+            spec_steps.run_verify(self, work, rows, drafts, touched)
             return
         launched = self.runner.launch(rows[:nd], rows[nd:])
         self.num_steps += 1
@@ -242,7 +219,7 @@ class EngineCore(EngineIntrospection):
             flight, self.inflight = self.inflight, None
         out = flight.launched.fetch()
         if self.proposer is not None:
-            self._keep_drafts([s for s, _, _, _ in flight.work], [ok for _, _, _, ok in flight.work])
+            spec_steps.keep_drafts(self, [s for s, _, _, _ in flight.work], [ok for _, _, _, ok in flight.work])
         for i, (seq, _, samples, _) in enumerate(flight.work):
             if samples and not seq.finished:              # finished meanwhile: this row's token is dropped
                 self._contain(seq, touched, lambda: self._emit(seq, out, i, touched))
@@ -250,41 +227,10 @@ class EngineCore(EngineIntrospection):
     def _emit(self, seq: Sequence, out: dict, i: int, touched: dict) -> None:
         """Row i's sampled token reached the host: append it (stop checks), retire seq if it finished."""
         seq.pending -= 1
-        seq.append(int(out["tokens"][i]), self._logprobs(seq, out, i))
+        seq.append(int(out["tokens"][i]), row_logprobs(seq, out, i))
         touched[seq.request.request_id] = seq.request
         if seq.finished:
             self.scheduler.remove(seq)
-
-    def _verify(self, work: list, rows: list[RowInput], drafts: list[list[int]], touched: dict) -> None:
-        """A verify step (synchronous: speculation turns async scheduling off); rows without drafts get
-        the plain sample."""
-        nd = len(drafts)
-        emitted, out = self.runner.verify(rows[:nd], drafts, rows[nd:])
-        self.spec_stats.verify_steps += 1
-        self._keep_drafts([s for s, _ in work], [r.draft_ok for r in rows])
-        self.num_steps += 1
-        self.spec_stats.record_decode(nd, sum(map(len, emitted)))
-        for i, (seq, n) in enumerate(work):
-            if i < nd and drafts[i]:
-                self._contain(seq, touched, lambda: self._accept(seq, drafts[i], emitted[i], touched))
-            else:
-                self._contain(seq, touched, lambda: self._advance(seq, n, out, i, touched))
-
-    def _isolate(self, plan: SchedulerOutput, touched: dict) -> None:
-        """Run each sequence of a failed plan alone (synchronously); fail the requests whose own step raises."""
-        for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
-            if seq.finished or seq not in self.scheduler.running:
-                continue                                  # failed with a sibling, or preempted
-            solo = SchedulerOutput(decode=[seq] if n == 1 else [], prefill=[] if n == 1 else [(seq, n)],
-                                   draft_ok=plan.draft_ok)
-            try:
-                self._run(solo, touched, speculate=False)
-                if self.inflight is not None:
-                    self._resolve(touched)
-            except Exception as e:
-                if self.runner.state_lost():
-                    raise
-                touched[seq.request.request_id] = self._fail(seq.request, e)
 
     def _contain(self, seq: Sequence, touched: dict, fn) -> None:
         """Host bookkeeping of one row after the device ran: an exception fails that request only."""
@@ -299,13 +245,6 @@ class EngineCore(EngineIntrospection):
         self.abort(req.request_id, reason="error", error=f"the engine failed this request: {e!r}")
         return req
 
-    def _advance(self, seq: Sequence, n: int, out: dict, i: int, touched: dict) -> None:
-        """After a synchronous plain row of n tokens (a verify step's rows without drafts)."""
-        if self._dispatched(seq, n):
-            self._emit(seq, out, i, touched)
-        if not seq.finished:
-            self.scheduler.progressed(seq)
-
     def _finish_step(self, touched: dict) -> list[Request]:
         for rid, req in touched.items():
             if req.finished and self.requests.pop(rid, None) is not None:
@@ -319,54 +258,6 @@ class EngineCore(EngineIntrospection):
             self.lora.done(req.lora[0])
             if req.lora_pin is not None:
                 req.lora_pin()                                   # a finalize runs its callback once
-
-    def row(self, seq: Sequence, n: int, draft_ok: bool = False) -> RowInput:
-        """seq's next n tokens as a row (draft_ok: the MTP head drafts from it, SchedulerOutput.draft_ok)."""
-        end = seq.num_cached + n
-        return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
-                        params=seq.params, seed=seq.seed, step=seq.num_generated, prompt_len=len(seq.prompt_ids),
-                        state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
-                        logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
-                        adapter=seq.adapter_slot or 0, draft_ok=draft_ok)
-
-    def _keep_drafts(self, seqs: list[Sequence], draft_ok: list[bool]) -> None:
-        """MTP: the drafts this step made for each row, to verify next step."""
-        drafts = self.runner.last_drafts
-        for i, (seq, ok) in enumerate(zip(seqs, draft_ok)):
-            seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and ok else []
-
-    # ---- speculative decoding ---------------------------------------------------------------
-    def _drafts(self, plan: SchedulerOutput) -> list[list[int]]:
-        """Drafts per decoding sequence, within the plan's draft caps."""
-        caps = [plan.draft_caps.get(s, 0) for s in plan.decode]
-        drafts = self.proposer.propose(plan.decode, caps)
-        return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
-
-    def _accept(self, seq: Sequence, drafts: list[int], toks: list[int], touched: dict) -> None:
-        """After a verify row with drafts: its accepted drafts and the target's token, appended one by one
-        (rows with drafts ask for no logprobs: speculative.wants_drafts)."""
-        accepted = len(toks) - 1
-        self.spec_stats.record(len(drafts), accepted)
-        seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
-        seq.state_idx = accepted                    # ... and their recurrent state is at this position
-        for tok in toks:
-            seq.append(tok, None)
-            if seq.finished:
-                break
-        touched[seq.request.request_id] = seq.request
-        if seq.finished:
-            self.scheduler.remove(seq)
-        else:
-            self.scheduler.progressed(seq)
-
-    @staticmethod
-    def _logprobs(seq: Sequence, out, i: int) -> dict[int, float] | None:
-        k = seq.params.logprobs
-        if k is None:
-            return None
-        lp = {int(t): float(v) for t, v in zip(out["top_ids"][i][:k], out["top_logprobs"][i][:k])}
-        lp[int(out["tokens"][i])] = float(out["logprob"][i])
-        return lp
 
     def warmup(self, progress: bool = True, background: bool = False) -> int:
         """Compile the serving executables (background: the largest shapes now, the rest in a thread)."""

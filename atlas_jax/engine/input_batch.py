@@ -15,28 +15,8 @@ import numpy as np
 
 from ..batch import StepBatch
 from .sampler import SamplingBatch
-from .sampling_params import BIAS_COLUMNS, NO_BIAS, SamplingParams
-
-_GREEDY = SamplingParams(temperature=0.0)
-
-
-@dataclasses.dataclass
-class RowInput:
-    """One sequence's share of a step (host side)."""
-    tokens: list[int]          # new tokens, len >= 1
-    start: int                 # tokens of this sequence already in the cache
-    block_table: list[int]     # its pages, covering at least start + len(tokens) tokens
-    slot: int                  # its recurrent-state / penalty-history slot
-    params: SamplingParams = _GREEDY
-    seed: int = 0
-    step: int = 0              # tokens this request has sampled so far
-    prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
-    state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
-    next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
-    draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
-    logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
-    adapter: int = 0           # LoRA adapter slot (0 = the base model)
-
+from .row import RowInput
+from .sampling_params import BIAS_COLUMNS, NO_BIAS
 
 @dataclasses.dataclass
 class InputBatch:

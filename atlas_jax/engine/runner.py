@@ -34,7 +34,8 @@ from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
 from .executables import Executables
-from .input_batch import InputBatch, RowInput
+from .input_batch import InputBatch
+from .row import RowInput
 from .sampler import init_penalty_state
 from .sampling_params import MAX_LOGPROBS
 from .state_ops import KINDS as STATE_OP_KINDS, SWAP_CHUNK_PAGES, StateOps

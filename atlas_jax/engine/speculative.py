@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from .row import row_of
 from .sequence import Sequence
 
 METHODS = ("ngram", "mtp", "self", "scripted")
@@ -168,7 +169,7 @@ class SelfProposer(Proposer):
     def propose(self, seqs, max_drafts):
         if not any(max_drafts):
             return [[] for _ in seqs]
-        return self.engine.runner.self_draft([self.engine.row(s, 1) for s in seqs], max_drafts)
+        return self.engine.runner.self_draft([row_of(s, 1) for s in seqs], max_drafts)
 
 
 class ScriptedProposer(Proposer):
