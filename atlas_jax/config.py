@@ -56,6 +56,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x @ shared_gate) (Qwen3-Next)
     norm_topk_prob: bool = True
     moe_router: str = "softmax"     # softmax top-k | sigmoid (+ correction bias, group-limited top-k: Nemotron-H)
     moe_n_group: int = 1
@@ -87,6 +88,11 @@ class ModelConfig:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def gdn_grouped(self) -> bool:
+        """The GDN input projections grouped per key head (qkvz, ba: Qwen3-Next), else separate (qkv, z, b, a)."""
+        return self.model_type == "qwen3_next"
 
     @property
     def attention_layers(self) -> tuple[int, ...]:
@@ -229,6 +235,7 @@ def _parse(raw: dict) -> ModelConfig:
             moe_intermediate_size=int(need("moe_intermediate_size")),
             shared_expert_intermediate_size=(
                 int(need("shared_expert_intermediate_size")) if next_family else 0),
+            shared_expert_gate=next_family,
             norm_topk_prob=bool(raw.get("norm_topk_prob", True)),
         )
     gdn_fields = {}

@@ -73,9 +73,9 @@ class Kernels:
             return "blocked"
         return "gather" if num_pairs <= num_experts else "ragged"
 
-    def packs_experts(self, up) -> bool:
-        """MoE experts packed for the CPU kernel (which then runs them: dispatch "cpu")."""
-        return self.cpu and up.ndim == 3 and up.dtype == jnp.float32
+    def packs_experts(self, dtype) -> bool:
+        """MoE experts of this dtype packed for the CPU kernel (which then runs them: dispatch "cpu")."""
+        return self.cpu and dtype == jnp.float32
 
     def packs_linear(self, w) -> bool:
         """A projection packed for the CPU linear kernel (layers/linear.py picks which keys are projections)."""
@@ -91,7 +91,7 @@ class Kernels:
             out["recurrence"] = "cpu-fused" if self.gdn_fused(dtype, jnp.float32) else \
                 self.gdn(cfg.linear_key_head_dim or 64, cfg.linear_value_head_dim or 64, jnp.float32)
         if cfg.num_experts:
-            out["moe"] = "cpu" if self.cpu and dtype == jnp.float32 else self.moe(
+            out["moe"] = "cpu" if self.packs_experts(dtype) else self.moe(
                 cfg.num_experts_per_tok, cfg.num_experts, (cfg.hidden_size, cfg.moe_intermediate_size))
         out["linear"] = "cpu-packed" if self.cpu and dtype == jnp.float32 else "xla"
         return out

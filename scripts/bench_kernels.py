@@ -156,9 +156,9 @@ def moe_case(tokens, quick, interpret):
     weights = jnp.full((tokens, k), 1.0 / k, jnp.float32)
     routed = int(np.unique(np.asarray(ids)).size)
     weight_bytes = routed * 3 * h * f * 2
-    cases = {"pallas": jax.jit(lambda p, x: xla_moe._experts_pallas(p, x, weights, ids, interpret)),
-             "xla_gather": jax.jit(lambda p, x: xla_moe._experts_gather(p, x, weights, ids)),
-             "xla_ragged": jax.jit(lambda p, x: xla_moe._experts_ragged(p, x, weights, ids))}
+    cases = {"pallas": jax.jit(lambda p, x: xla_moe._experts_pallas(p, x, weights, ids, "silu", interpret)),
+             "xla_gather": jax.jit(lambda p, x: xla_moe._experts_gather(p, x, weights, ids, "silu")),
+             "xla_ragged": jax.jit(lambda p, x: xla_moe._experts_ragged(p, x, weights, ids, "silu"))}
     out = {"routed_experts": routed}
     ref = None
     for name, fn in cases.items():

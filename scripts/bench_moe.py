@@ -38,7 +38,7 @@ def _capacity_mlp(p, x, token, weight, capacity):
     e, h_dim = p["up"].shape[:2]
     xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0).reshape(e, capacity, h_dim)
     proj = lambda a, w: jnp.einsum("ech,ehf->ecf", a, w)
-    act = moe_mod._act(proj(xs, p["gate"]) if "gate" in p else None, proj(xs, p["up"])).astype(x.dtype)
+    act = moe_mod._act(proj(xs, p["gate"]), proj(xs, p["up"])).astype(x.dtype)      # SwiGLU experts
     return moe_mod._combine(proj(act, p["down"]).reshape(e * capacity, h_dim), token, weight, x.shape[0])
 
 
@@ -49,7 +49,7 @@ def capacity_sizes(num_tokens: int, num_pairs: int, num_experts: int) -> tuple[i
     return min(num_tokens, -(-twice_mean // 8) * 8), num_tokens
 
 
-def _experts_capacity(p, x, weights, ids):
+def _experts_capacity(p, x, weights, ids, act: str):
     """Static capacity grid: C_small when every group fits it (checked on device), else C_full = N."""
     n, k = ids.shape
     e = p["up"].shape[0]
@@ -95,22 +95,22 @@ def main():
     p = {name: jnp.asarray(rng.standard_normal(shape, np.float32) * 0.03)
          for name, shape in (("gate", (e, h, f)), ("up", (e, h, f)), ("down", (e, f, h)))}
     router = jnp.asarray(rng.standard_normal((h, e), np.float32))
-    packed = jax.jit(moe_mod.pack_experts)(p) if resolve_kernels("auto").packs_experts(p["up"]) else None
+    packed = jax.jit(moe_mod.pack_experts)(p) if resolve_kernels("auto").packs_experts(p["up"].dtype) else None
     report = {"backend": jax.default_backend(), "experts": e, "top_k": k, "hidden": h, "inter": f, "rows": []}
     for n in (int(t) for t in args.tokens.split(",")):
         x = jnp.asarray(rng.standard_normal((n, h), np.float32))
         weights, ids = moe_mod.route(router, x, k, True)
-        ref = moe_mod._experts_gather(p, x, weights, ids)
+        ref = moe_mod._experts_gather(p, x, weights, ids, "silu")
         row = {"tokens": n}
         useful = 2 * 3 * n * k * h * f
         for name, (experts, takes_packed) in DISPATCHES.items():
             if takes_packed and packed is None:
                 continue                              # the CPU kernel does not apply here (backend, compiler)
-            fn = functools.partial(jax.jit(experts), packed if takes_packed else p)
-            out = fn(x, weights, ids)
+            fn = functools.partial(jax.jit(experts, static_argnums=4), packed if takes_packed else p)
+            out = fn(x, weights, ids, "silu")
             err = float(jnp.max(jnp.abs(out - ref)))
             assert err < 1e-3, (name, n, err)
-            ms = _median_ms(fn, x, weights, ids)
+            ms = _median_ms(fn, x, weights, ids, "silu")
             row[name] = {"ms": round(ms, 3), "useful_gflops": round(useful / ms / 1e6, 1)}
         w_dense = jnp.asarray(rng.standard_normal((h, 2 * f * k), np.float32))
         ms = _median_ms(jax.jit(lambda x, w: x @ w), x, w_dense)

@@ -194,7 +194,7 @@ def make_loss(cfg, batch: int, seq: int, mtp_weight: float, page_size: int = 16,
         for d in range(1, mtp_depths + 1):      # RoPE is relative: depth d's positions need no shift
             kv = init_mtp_kv(cfg, 1, batch * pages, page_size, jnp.float32)
             hidden, _ = mtp_forward(params, kv, (seg,), windows[:, d:seq + d].reshape(-1), hidden, cfg)
-            head = lm_head(params, hidden).reshape(batch, seq, -1)
+            head = lm_head(params, hidden, cfg).reshape(batch, seq, -1)
             mtp.append(ce(head, windows[:, d + 1:seq + d + 1]))
             judge = jax.lax.stop_gradient(logits[:, d:])      # the main model at p + d: [batch, seq - d, V]
             agree.append(jnp.mean(jnp.argmax(head[:, :seq - d], -1) == jnp.argmax(judge, -1)))

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 from atlas_jax.kernels import Kernels
-from atlas_jax.layers.moe import moe
+from atlas_jax.layers.moe import MoeSpec, moe
 from pallas_kernels import gdn, grouped_matmul, paged_attention
 from pallas_kernels.common import BACKEND
 from pallas_kernels.cross_lower import TRITON_CALL, lower_for_cuda as lower
@@ -128,7 +128,7 @@ def test_moe_layer_lowers_through_grouped_matmul(name, tokens, dtype):
     h, f, e, k = MOE_MODELS[name]
     params = {"router": SPEC((h, e), dtype),
               "experts": {"gate": SPEC((e, h, f), dtype), "up": SPEC((e, h, f), dtype), "down": SPEC((e, f, h), dtype)}}
-    module = lower(lambda p, x: moe(p, x, k, True, Kernels(pallas=True)), params, SPEC((tokens, h), dtype))
+    module = lower(lambda p, x: moe(p, x, MoeSpec(k), Kernels(pallas=True)), params, SPEC((tokens, h), dtype))
     _assert_triton(module)
 
 

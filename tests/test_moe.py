@@ -13,7 +13,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from atlas_jax import cpu_kernels
-from atlas_jax.kernels import Kernels
+from atlas_jax.kernels import CPU, Kernels
+from atlas_jax.layers import mlp as mlp_mod
 from atlas_jax.layers import moe as moe_mod
 from pallas_kernels import grouped_matmul
 
@@ -50,7 +51,8 @@ def _dense_reference(p, x, k, renorm):
     if "shared" in p:
         s = {name: np.asarray(a, np.float64) for name, a in p["shared"].items()}
         gate = 1 / (1 + np.exp(-(x @ np.asarray(p["shared_gate"], np.float64))))
-        y += gate * ((silu(x @ s["gate"]) * (x @ s["up"])) @ s["down"])
+        hidden = silu(x @ s["gate"]) * (x @ s["up"]) if "gate" in s else np.maximum(x @ s["up"], 0) ** 2
+        y += gate * (hidden @ s["down"])
     return y
 
 
@@ -60,8 +62,30 @@ def test_moe_matches_dense_reference(n, k, renorm, shared):
     p = _params(n, shared=shared)
     x = jax.random.normal(jax.random.PRNGKey(100 + n), (n, 16))
     ref = _dense_reference(p, x, k, renorm)
-    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, renorm))(p, x)
+    spec = moe_mod.MoeSpec(k, renorm, shared=shared, shared_gate=shared)
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, spec))(p, x)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_variant_is_the_configs_not_the_params():
+    """The variant comes from the spec (the config), never from which params exist: a param the spec does
+    not name is ignored, and one it names that the params lack is an error, not another variant."""
+    p = _params(3, shared=True)
+    x = jax.random.normal(jax.random.PRNGKey(3), (5, 16))
+    gated = moe_mod.moe(p, x, moe_mod.MoeSpec(2, shared=True, shared_gate=True))
+    np.testing.assert_allclose(gated, _dense_reference(p, x, 2, True), atol=1e-4, rtol=1e-4)
+    routed = moe_mod.moe(p, x, moe_mod.MoeSpec(2))                           # shared expert params ignored
+    without = {k: v for k, v in p.items() if k not in ("shared", "shared_gate")}
+    np.testing.assert_allclose(routed, _dense_reference(without, x, 2, True), atol=1e-4, rtol=1e-4)
+    ungated = moe_mod.moe(p, x, moe_mod.MoeSpec(2, shared=True))             # shared_gate present, not named
+    np.testing.assert_allclose(ungated - routed, mlp_mod.swiglu(p["shared"], x), atol=1e-4, rtol=1e-4)
+    with pytest.raises(KeyError):
+        moe_mod.moe(without, x, moe_mod.MoeSpec(2, shared=True))
+    s = p["shared"]                                                          # has a gate; relu2 ignores it
+    np.testing.assert_allclose(mlp_mod.mlp(s, x, "relu2"), jnp.square(jax.nn.relu(x @ s["up"])) @ s["down"],
+                               atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="activation"):
+        mlp_mod.mlp(s, x, "gelu")
 
 
 @pytest.mark.parametrize("n,k,e", [(1, 1, 6), (1, 4, 6), (9, 2, 6), (64, 3, 6), (33, 2, 16), (300, 4, 6)])
@@ -69,9 +93,8 @@ def test_dispatches_agree(n, k, e):
     p = _params(n + k, e=e)
     x = jax.random.normal(jax.random.PRNGKey(1), (n, 16))
     w, ids = moe_mod.route(p["router"], x, k, True)
-    a = jax.jit(moe_mod._experts_ragged)(p["experts"], x, w, ids)
-    b = jax.jit(moe_mod._experts_blocked)(p["experts"], x, w, ids)
-    c = jax.jit(moe_mod._experts_gather)(p["experts"], x, w, ids)
+    a, b, c = (jax.jit(f, static_argnums=4)(p["experts"], x, w, ids, "silu")
+               for f in (moe_mod._experts_ragged, moe_mod._experts_blocked, moe_mod._experts_gather))
     np.testing.assert_allclose(a, b, atol=1e-5)
     np.testing.assert_allclose(a, c, atol=1e-5)
 
@@ -83,7 +106,8 @@ def test_pallas_dispatch_matches_dense_reference(n, k):
     ref = _dense_reference(p, x, k, True)
     kernels = Kernels(pallas=True, interpret=INTERPRET)
     assert kernels.moe(n * k, 6, (32, 16)) == "pallas"
-    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels))(p, x)
+    spec = moe_mod.MoeSpec(k, shared=True, shared_gate=True)
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, spec, kernels))(p, x)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -106,13 +130,15 @@ def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
     zero padding), rows that fill and do not fill the row tiles, SwiGLU and relu2 experts."""
     k = min(k, e)
     p = _params(seed, h=h, f=f, e=e, shared=shared)
-    if not glu:
+    if not glu:                                      # relu2 experts (and shared expert)
         del p["experts"]["gate"]
+        p.get("shared", {}).pop("gate", None)
     x = jax.random.normal(jax.random.PRNGKey(seed + 1), (n, h))
     ref = _dense_reference(p, x, k, True)
     packed = moe_mod.pack_params(p)
     assert set(packed["experts"]) == {"gate_up", "down"}
-    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True))(packed, x)
+    spec = moe_mod.MoeSpec(k, act="silu" if glu else "relu2", shared=shared, shared_gate=shared)
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, spec, CPU))(packed, x)
     # relu2 outputs reach ~100 here: fp32 rounding of an output is relative to that scale, not to its own size
     scale = float(np.max(np.abs(ref)))
     np.testing.assert_allclose(out, ref, atol=1e-4 + 4e-6 * scale, rtol=1e-4)
@@ -199,14 +225,16 @@ def test_sigmoid_grouped_moe_matches_reference(n, k, n_group, topk_group):
     x = jax.random.normal(jax.random.PRNGKey(50 + n), (n, h))
     ref = _sigmoid_grouped_reference(p, x, k, n_group, topk_group, 2.5)
     routing = moe_mod.Routing("sigmoid", n_group, topk_group, 2.5)
-    out = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, routing=routing))(p, x)
+    spec = moe_mod.MoeSpec(k, True, routing, act="relu2", latent=True, shared=True)
+    out = jax.jit(lambda p, x: moe_mod.moe(p, x, spec))(p, x)
     np.testing.assert_allclose(out, ref, atol=1e-4, rtol=1e-4)
     w, ids = moe_mod.route(p["router"], x, k, True, routing, p["router_bias"])
     xl = x @ p["latent_in"]
     for dispatch in (moe_mod._experts_gather, moe_mod._experts_ragged):
-        np.testing.assert_allclose(jax.jit(dispatch)(p["experts"], xl, w, ids),
-                                   jax.jit(moe_mod._experts_blocked)(p["experts"], xl, w, ids), atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(jax.jit(dispatch, static_argnums=4)(p["experts"], xl, w, ids, "relu2"),
+                                   jax.jit(moe_mod._experts_blocked, static_argnums=4)(p["experts"], xl, w, ids, "relu2"),
+                                   atol=1e-5, rtol=1e-5)
     kernels = Kernels(pallas=True, interpret=INTERPRET)
     assert kernels.moe(n * k, e, (d, f)) == "pallas"
-    pallas = jax.jit(lambda p, x: moe_mod.moe(p, x, k, True, kernels, routing))
+    pallas = jax.jit(lambda p, x: moe_mod.moe(p, x, spec, kernels))
     np.testing.assert_allclose(pallas(p, x), ref, atol=1e-4, rtol=1e-4)

@@ -129,7 +129,7 @@ def test_agreement_and_distillation_against_the_engine():
         (logits,), hidden, _ = forward(params, init_state(cfg, 4, 8, 1, jnp.float32), (seg,), cfg,
                                        all_logits=True, all_hidden=True)
         out, _ = mtp_forward(params, init_mtp_kv(cfg, 1, 4, 8, jnp.float32), (seg,), nxt, hidden, cfg)
-        return logits[0], lm_head(params, out)
+        return logits[0], lm_head(params, out, cfg)
     soft, same = [], []
     for w in windows:
         main_logits, head_logits = (np.asarray(a, np.float64) for a in row(jnp.asarray(w[:32]), jnp.asarray(w[1:33])))

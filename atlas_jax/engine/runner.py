@@ -42,10 +42,10 @@ from .state_ops import KINDS as STATE_OP_KINDS, SWAP_CHUNK_PAGES, StateOps
 from .steps import EngineState
 
 
-def draft_vocab(params, ids) -> dict:
+def draft_vocab(params, ids, cfg) -> dict:
     """The MTP head's draft vocabulary: its token ids [n] and the lm_head's columns for them [H, n]."""
     ids = jnp.asarray(ids, jnp.int32)
-    return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params), ids, axis=1)}
+    return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params, cfg), ids, axis=1)}
 
 
 def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
@@ -83,7 +83,7 @@ class ModelRunner:
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
         mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
         if mtp_drafts and mtp_token_ids is not None:
-            params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids)}
+            params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids, cfg)}
         # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
         self.params = pack_linears(pack_params(params, kernels), kernels) if kernels.cpu else params
         self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size

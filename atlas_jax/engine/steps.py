@@ -84,10 +84,10 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
                                logits=False)
     seg = segments[0]
     b, k = seg.tokens.shape
-    logits = lm_head(params, hidden[:b * k]).reshape(b, k, -1)
+    logits = lm_head(params, hidden[:b * k], cfg).reshape(b, k, -1)
     firsts = [logits[:, 0]]
     if len(segments) > 1:
-        firsts.append(lm_head(params, last_positions(hidden[b * k:], segments[1:])))
+        firsts.append(lm_head(params, last_positions(hidden[b * k:], segments[1:]), cfg))
     first = sample(jnp.concatenate(firsts), sampling, penalties)
     target, accept = verify(logits, drafts, jax.tree.map(lambda x: x[:b], sampling))
     new_drafts, draft_kv = None, state.draft_kv

@@ -98,7 +98,7 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
     (compiled Pallas only for shapes it takes; the CPU kernel for decode / verify segments; else XLA)."""
     n = x.shape[0]
     hd = cfg.head_dim
-    q, k, v = (project(x, p, name, slot) for name in ("q", "k", "v"))
+    q, k, v = (project(x, p, name, slot, cfg.attention_bias) for name in ("q", "k", "v"))
     if cfg.attn_output_gate:
         q, gate = jnp.split(q.reshape(n, cfg.num_heads, 2 * hd), 2, axis=-1)
         gate = gate.reshape(n, cfg.num_heads * hd)
@@ -106,7 +106,7 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
         q = q.reshape(n, cfg.num_heads, hd)
     k = k.reshape(n, cfg.num_kv_heads, hd)
     v = v.reshape(n, cfg.num_kv_heads, hd)
-    if "q_norm" in p:
+    if cfg.qk_norm:
         q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
     if cfg.rotary_dim:                                   # Nemotron-H's attention has no positional encoding
@@ -133,5 +133,5 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
     o = join_segments(outs).reshape(n, -1)
     if cfg.attn_output_gate:
         o = (o.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(x.dtype)
-    o = project(o, p, "o", slot)
+    o = project(o, p, "o", slot, cfg.attention_bias)
     return o, (k_pages, v_pages)

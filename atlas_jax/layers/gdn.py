@@ -279,7 +279,7 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     dk, dv, r = cfg.linear_key_head_dim, cfg.linear_value_head_dim, hv // hk
     if kernels.gdn_fused(x.dtype, *(s.dtype for s in ssm)):
         return _cpu_layer(p, x, ssm, segments, cfg, slot)
-    if "qkvz" in p:
+    if cfg.gdn_grouped:
         qkvz = project(x, p, "qkvz", slot).reshape(n, hk, 2 * dk + 2 * r * dv)
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
         ba = project(x, p, "ba", slot).reshape(n, hk, 2 * r)
@@ -299,7 +299,7 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
 def _cpu_layer(p, x, ssm, segments, cfg, slot):
     """gdn_layer through cpu_kernels.gdn_layer: conv, gates, recurrence and gated norm in one call per segment
     on the projections' outputs as they are (no split / concat / gather / scatter ops in the step)."""
-    grouped = "qkvz" in p
+    grouped = cfg.gdn_grouped
     if grouped:
         src = z = project(x, p, "qkvz", slot)
         b_gate = a_gate = project(x, p, "ba", slot)

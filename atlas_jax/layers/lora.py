@@ -10,12 +10,13 @@ projection's work.
 import jax.numpy as jnp
 
 
-def project(x, p, name: str, slot=None):
-    """x @ p[name] (+ p[name + "_bias"]), plus each token's adapter delta when the params carry this
-    projection's adapter pool (p[name + "_lora"] = (A [in, S, R], B [S, R, out]), merged in by
-    `with_pool`) and slot [N] (each token's adapter slot) is given."""
+def project(x, p, name: str, slot=None, bias: bool = False):
+    """x @ p[name] (+ p[name + "_bias"] when the config says the projection has one), plus each token's
+    adapter delta when the params carry this projection's adapter pool (p[name + "_lora"] = (A [in, S, R],
+    B [S, R, out]), merged in by `with_pool` for the adapters' target modules) and slot [N] (each token's
+    adapter slot) is given."""
     y = x @ p[name]
-    if f"{name}_bias" in p:
+    if bias:
         y = y + p[f"{name}_bias"]
     if slot is not None and f"{name}_lora" in p:
         y = y + lora_delta(x, *p[f"{name}_lora"], slot)

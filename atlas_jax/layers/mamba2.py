@@ -26,9 +26,10 @@ def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     n = x.shape[0]
     hm, hd, ns, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
     width = hm * hd
-    proj = project(x, p, "in_proj", slot)
+    proj = project(x, p, "in_proj", slot, cfg.mamba_proj_bias)
     z, xbc, dt = jnp.split(proj, [width, width + cfg.mamba_conv_dim], axis=-1)
     a = -jnp.exp(p["A_log"].astype(jnp.float32))
+    conv_b = p["conv_bias"] if cfg.mamba_conv_bias else None
     outs = []
     for seg, xbc_s, dt_s in zip(segments, split_segments(xbc, segments), split_segments(dt, segments)):
         b, t = seg.tokens.shape
@@ -38,9 +39,9 @@ def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
             step = jax.nn.softplus(dt_s.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
             step = jnp.maximum(step, cfg.mamba_dt_min)                                   # [B, T, Hm]
             return (cm.reshape(b, t, ng, ns), bm.reshape(b, t, ng, ns), xs.reshape(b, t, hm, hd), step * a, step)
-        o, v, ssm = mix(xbc_s, ssm, seg, p["conv"], prepare, kernels, conv_b=p.get("conv_bias"), delta_rule=False,
+        o, v, ssm = mix(xbc_s, ssm, seg, p["conv"], prepare, kernels, conv_b=conv_b, delta_rule=False,
                         chunk=cfg.mamba_chunk_size)
         outs.append(o + p["D"].astype(jnp.float32)[:, None] * v)
     y = join_segments(outs).reshape(n, width)
     y = rms_norm_gated_grouped(y, z, p["norm"], cfg.rms_norm_eps, ng).astype(x.dtype)
-    return project(y, p, "out", slot), ssm
+    return project(y, p, "out", slot, cfg.mamba_proj_bias), ssm

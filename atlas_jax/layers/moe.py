@@ -2,9 +2,9 @@
 
 Routers (`Routing`): softmax top-k, optionally renormalised (Qwen); or sigmoid scores with a
 correction bias for the choice, group-limited top-k, renormalised and scaled (Nemotron-H, as
-DeepSeek-V3). Experts are SwiGLU (gate, up, down) or relu2 (up, down), by the params present;
-Nemotron-H may run them in a latent width (latent_in / latent_out projections around them). The
-shared expert has a sigmoid gate when `shared_gate` is present (Qwen3-Next / Qwen3.5).
+DeepSeek-V3). Experts are SwiGLU (gate, up, down) or relu2 (up, down); Nemotron-H may run them in a
+latent width (latent_in / latent_out projections around them); the shared expert may have a sigmoid gate
+(Qwen3-Next / Qwen3.5). Which variant is the config's (`MoeSpec.of`), never which params are present.
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
 sorted by expert and run by one of five dispatches. Packed experts (`pack_params`, done once by the
@@ -46,6 +46,25 @@ class Routing:
 
 
 SOFTMAX = Routing()
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeSpec:
+    """One model's MoE variant (static: part of the traced step)."""
+    top_k: int
+    renormalise: bool = True
+    routing: Routing = SOFTMAX
+    act: str = "silu"           # the routed and shared experts' activation (layers/mlp.ACTIVATIONS)
+    latent: bool = False        # experts in a latent width: latent_in [H, H'] / latent_out [H', H] around them
+    shared: bool = False        # a shared expert (p["shared"]: MLP params) on every token
+    shared_gate: bool = False   # the shared expert scaled by sigmoid(x @ p["shared_gate"])
+
+    @classmethod
+    def of(cls, cfg) -> "MoeSpec":
+        routing = SOFTMAX if cfg.moe_router == "softmax" else Routing(
+            cfg.moe_router, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_routed_scaling)
+        return cls(cfg.num_experts_per_tok, cfg.norm_topk_prob, routing, cfg.mlp_act, cfg.moe_latent_size > 0,
+                   cfg.shared_expert_intermediate_size > 0, cfg.shared_expert_gate)
 
 
 def _act(gate, up):
@@ -93,23 +112,23 @@ def _sort_pairs(ids, num_experts):
     return order, flat[order], jnp.bincount(flat, length=num_experts).astype(jnp.int32)
 
 
-def _experts_ragged(p, x, weights, ids):
+def _experts_ragged(p, x, weights, ids, act: str):
     n, k = ids.shape
     order, _, sizes = _sort_pairs(ids, p["up"].shape[0])
     token_of = order // k
     xs = jnp.take(x, token_of, axis=0)                               # [N*k, H]
-    gate = jax.lax.ragged_dot(xs, p["gate"], sizes) if "gate" in p else None
+    gate = jax.lax.ragged_dot(xs, p["gate"], sizes) if act == "silu" else None
     h = _act(gate, jax.lax.ragged_dot(xs, p["up"], sizes)).astype(x.dtype)
     y = jax.lax.ragged_dot(h, p["down"], sizes).astype(jnp.float32)  # [N*k, H]
     y = y * jnp.take(weights.reshape(-1), order)[:, None]
     return jnp.zeros((n, x.shape[-1]), jnp.float32).at[token_of].add(y).astype(x.dtype)
 
 
-def _experts_gather(p, x, weights, ids):
+def _experts_gather(p, x, weights, ids, act: str):
     n, k = ids.shape
     w = {name: jnp.take(a, ids.reshape(-1), axis=0) for name, a in p.items()}        # [N*k, ...]
     xs = jnp.repeat(x, k, axis=0)                                                    # [N*k, H]
-    gate = jnp.einsum("ph,phf->pf", xs, w["gate"]) if "gate" in w else None
+    gate = jnp.einsum("ph,phf->pf", xs, w["gate"]) if act == "silu" else None
     h = _act(gate, jnp.einsum("ph,phf->pf", xs, w["up"])).astype(x.dtype)
     y = jnp.einsum("pf,pfh->ph", h, w["down"]).astype(jnp.float32) * weights.reshape(-1, 1)
     return jnp.sum(y.reshape(n, k, -1), axis=1).astype(x.dtype)
@@ -141,18 +160,18 @@ def _combine(y, token, weight, n):
     return jnp.zeros((n + 1, y.shape[1]), jnp.float32).at[token].add(y)[:n]
 
 
-def _experts_pallas(p, x, weights, ids, interpret: bool = False):
+def _experts_pallas(p, x, weights, ids, act: str, interpret: bool = False):
     n, k = ids.shape
     e = p["up"].shape[0]
     tb = max(pallas_gmm.MIN_BLOCK_ROWS, min(64, block_rows(n * k, e)))
     token, weight, block_expert, used = block_layout(ids, weights, e, tb)
     xs = jnp.take(x, token, axis=0, mode="fill", fill_value=0)
     gmm = lambda a, w: pallas_gmm.grouped_matmul(a, w, block_expert, used, block_rows=tb, interpret=interpret)
-    h = _act(gmm(xs, p["gate"]) if "gate" in p else None, gmm(xs, p["up"])).astype(x.dtype)
+    h = _act(gmm(xs, p["gate"]) if act == "silu" else None, gmm(xs, p["up"])).astype(x.dtype)
     return _combine(gmm(h, p["down"]), token, weight, n).astype(x.dtype)
 
 
-def _experts_blocked(p, x, weights, ids):
+def _experts_blocked(p, x, weights, ids, act: str):
     n, k = ids.shape
     e, h_dim = p["up"].shape[:2]
     tb = block_rows(n * k, e)
@@ -164,7 +183,7 @@ def _experts_blocked(p, x, weights, ids):
         xb, eb, used = xs_b
         def run(xb):
             w = {name: jax.lax.dynamic_index_in_dim(a, eb, 0, keepdims=False) for name, a in p.items()}
-            return mlp(w, xb)
+            return mlp(w, xb, act)
         return None, jax.lax.cond(used, run, jnp.zeros_like, xb)
     _, y = jax.lax.scan(block, None, (xs, block_expert, block_used))
     return _combine(y.reshape(nb * tb, h_dim), token, weight, n).astype(x.dtype)
@@ -193,12 +212,12 @@ def pack_experts(experts: dict) -> dict:
 def pack_params(params, kernels: Kernels = CPU):
     """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel where the table says
     (Kernels.packs_experts); params unchanged otherwise. The packed arrays replace the originals."""
-    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and kernels.packs_experts(v["up"])
+    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and kernels.packs_experts(v["up"].dtype)
     return replace_params(params, applies, jax.jit(pack_experts))
 
 
-def _experts_cpu(p, x, weights, ids):
-    """Packed experts through the CPU custom call; x [N, H] fp32."""
+def _experts_cpu(p, x, weights, ids, act: str):
+    """Packed experts through the CPU custom call; x [N, H] fp32 (act: the packed layout holds it)."""
     k = ids.shape[1]
     order, _, sizes = _sort_pairs(ids, p["gate_up"].shape[0])
     y = cpu_kernels.moe_experts(x.astype(jnp.float32), (order // k).astype(jnp.int32),
@@ -206,31 +225,32 @@ def _experts_cpu(p, x, weights, ids):
     return y.astype(x.dtype)
 
 
-def moe(p, x, top_k: int, renormalise: bool, kernels: Kernels = XLA, routing: Routing = SOFTMAX, slot=None):
-    """p: {router [H, E], [router_bias [E]], experts: {[gate [E, H', F]], up [E, H', F], down [E, F, H']},
-    optional latent_in [H, H'] / latent_out [H', H] (H' = H without them), optional shared: MLP params,
-    optional shared_gate [H, 1]}; x [..., H] -> [..., H]."""
+def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
+    """p: {router [H, E], [router_bias [E]: sigmoid routing], experts: {[gate [E, H', F]: silu], up [E, H', F],
+    down [E, F, H']} (or packed: pack_experts), [latent_in [H, H'], latent_out [H', H]], [shared: MLP params],
+    [shared_gate [H, 1]]} as `spec` says; x [..., H] -> [..., H]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    weights, ids = route(p["router"], x2, top_k, renormalise, routing, p.get("router_bias"))
-    xe = x2 @ p["latent_in"] if "latent_in" in p else x2
-    if "gate_up" in p["experts"]:
+    bias = p["router_bias"] if spec.routing.kind == "sigmoid" else None
+    weights, ids = route(p["router"], x2, spec.top_k, spec.renormalise, spec.routing, bias)
+    xe = x2 @ p["latent_in"] if spec.latent else x2
+    if kernels.packs_experts(p["experts"]["down"].dtype):       # pack_params packed them: the CPU kernel
         dispatch = "cpu"
     else:
         e, h_dim, f_dim = p["experts"]["up"].shape
-        dispatch = kernels.moe(x2.shape[0] * top_k, e, (h_dim, f_dim))
-    if dispatch == "cpu":
-        y = _experts_cpu(p["experts"], xe, weights, ids)
-    elif dispatch == "pallas":
-        y = _experts_pallas(p["experts"], xe, weights, ids, kernels.interpret)
+        dispatch = kernels.moe(x2.shape[0] * spec.top_k, e, (h_dim, f_dim))
+    if dispatch == "pallas":
+        y = _experts_pallas(p["experts"], xe, weights, ids, spec.act, kernels.interpret)
     else:
-        experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]
-        y = experts(p["experts"], xe, weights, ids)
-    if "latent_out" in p:
+        experts = {"cpu": _experts_cpu, "blocked": _experts_blocked, "gather": _experts_gather,
+                   "ragged": _experts_ragged}[dispatch]
+        y = experts(p["experts"], xe, weights, ids, spec.act)
+    if spec.latent:
         y = y @ p["latent_out"]
-    if "shared" in p:
-        shared = mlp(p["shared"], x2, slot).astype(jnp.float32)         # LoRA adapts the shared expert
-        if "shared_gate" in p:
+    if spec.shared:
+        shared = mlp(p["shared"], x2, spec.act, slot).astype(jnp.float32)   # LoRA adapts the shared expert
+        if spec.shared_gate:
             shared = jax.nn.sigmoid((x2 @ p["shared_gate"]).astype(jnp.float32)) * shared
         y = y + shared.astype(x.dtype)
     return y.reshape(shape)
+

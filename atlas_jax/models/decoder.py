@@ -20,16 +20,10 @@ from ..layers.gdn import gdn_layer
 from ..layers.linear import PackedLinear
 from ..layers.mamba2 import mamba2_layer
 from ..layers.mlp import mlp
-from ..layers.moe import SOFTMAX, Routing, moe
+from ..layers.moe import MoeSpec, moe
 from ..layers.norms import rms_norm
 from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
-
-
-def routing(cfg: ModelConfig) -> Routing:
-    if cfg.moe_router == "softmax":
-        return SOFTMAX
-    return Routing(cfg.moe_router, cfg.moe_n_group, cfg.moe_topk_group, cfg.moe_routed_scaling)
 
 
 def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: int, kernels: Kernels = XLA,
@@ -51,9 +45,9 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
         if ffn != NONE:
             h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
             if ffn == MOE:
-                h = moe(p["moe"], h, cfg.num_experts_per_tok, cfg.norm_topk_prob, kernels, routing(cfg), slot)
+                h = moe(p["moe"], h, MoeSpec.of(cfg), kernels, slot)
             else:
-                h = mlp(p["mlp"], h, slot)
+                h = mlp(p["mlp"], h, cfg.mlp_act, slot)
             x = x + h
         return x, layer_state
 
@@ -67,16 +61,20 @@ def argmax(logits):
     return jnp.min(jnp.where(hit, iota, logits.shape[-1]), axis=-1)
 
 
-def lm_head_weight(params):
-    """The output projection [H, V]: the lm_head, or the transposed embedding when they are tied."""
-    return params["lm_head"] if "lm_head" in params else params["embed"].T
+def lm_head_weight(params, cfg: ModelConfig):
+    """The output projection [H, V]: the transposed embedding when the config ties them, else the lm_head."""
+    return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
-def lm_head(params, x):
-    w = lm_head_weight(params)
+def project_logits(x, w):
+    """x [N, H] @ w [H, V] -> fp32 logits."""
     if isinstance(w, PackedLinear):                  # the CPU custom call (fp32 throughout)
         return x @ w
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def lm_head(params, x, cfg: ModelConfig):
+    return project_logits(x, lm_head_weight(params, cfg))
 
 
 def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: ModelConfig, all_logits: bool = False,
@@ -111,10 +109,10 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
     if all_logits or all_hidden:
         x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
         if all_logits:
-            return split_segments(lm_head(params, x), segments), (x if all_hidden else split_segments(x, segments)), new_state
-        return (lm_head(params, last_positions(x, segments)) if logits else None), x, new_state
+            return split_segments(lm_head(params, x, cfg), segments), (x if all_hidden else split_segments(x, segments)), new_state
+        return (lm_head(params, last_positions(x, segments), cfg) if logits else None), x, new_state
     x = rms_norm(last_positions(x, segments), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-    return lm_head(params, x), x, new_state
+    return lm_head(params, x, cfg), x, new_state
 
 
 def last_positions(x, segments):

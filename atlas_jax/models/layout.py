@@ -103,7 +103,8 @@ def moe_specs(cfg: ModelConfig, path, prefix, fused_experts: bool = False):
     specs = [linear((*path, "router"), f"{prefix}.gate", h, e), *routed]
     if cfg.shared_expert_intermediate_size:
         specs += mlp_specs((*path, "shared"), f"{prefix}.shared_expert", h, cfg.shared_expert_intermediate_size)
-        specs.append(linear((*path, "shared_gate"), f"{prefix}.shared_expert_gate", h, 1))
+        if cfg.shared_expert_gate:
+            specs.append(linear((*path, "shared_gate"), f"{prefix}.shared_expert_gate", h, 1))
     return specs
 
 

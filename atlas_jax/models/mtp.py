@@ -24,7 +24,7 @@ from ..config import FULL_ATTENTION, ModelConfig
 from ..kernels import XLA, Kernels
 from ..layers.norms import rms_norm
 from ..layers.rope import rope_cos_sin
-from .decoder import argmax, decoder_layer, last_positions, lm_head
+from .decoder import argmax, decoder_layer, last_positions, lm_head, project_logits
 
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
@@ -67,7 +67,7 @@ def _propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg
     tokens = jnp.concatenate([s.tokens.reshape(-1) for s in caught])
     out, kv = mtp_forward(params, kv, caught, tokens, hidden, cfg, 0, kernels)
     h = last_positions(out, caught)                                                     # [R, H]
-    draft = draft_tokens(params, h)
+    draft = draft_tokens(params, h, cfg)
     drafts = [draft]
     start = jnp.concatenate([s.start + n for s, n in zip(caught, catch_len)])          # the emitted token's position
     table = jnp.concatenate([s.block_table for s in caught])
@@ -77,18 +77,18 @@ def _propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg
         seg = StepBatch(tokens=draft[:, None], q_len=live.astype(jnp.int32), start=start + j - 1, block_table=table,
                         slot=slot, state_idx=jnp.zeros_like(slot))
         h, kv = mtp_forward(params, kv, (seg,), draft, h, cfg, j, kernels)
-        draft = draft_tokens(params, h)
+        draft = draft_tokens(params, h, cfg)
         drafts.append(draft)
     return jnp.stack(drafts, axis=1), kv
 
 
-def draft_tokens(params, h):
+def draft_tokens(params, h, cfg: ModelConfig):
     """The head's greedy draft from its hidden state h [R, H]: the argmax over the whole vocabulary, or with a
     draft vocabulary (params["mtp_vocab"]: ids [n], lm_head [H, n]; FR-Spec) over those n tokens only."""
     vocab = params.get("mtp_vocab")
     if vocab is None:
-        return argmax(lm_head(params, h))
-    return jnp.take(vocab["ids"], argmax(lm_head(vocab, h)))
+        return argmax(lm_head(params, h, cfg))
+    return jnp.take(vocab["ids"], argmax(project_logits(h, vocab["lm_head"])))
 
 
 def init_mtp_kv(cfg: ModelConfig, num_layers: int, num_pages: int, page_size: int, dtype):

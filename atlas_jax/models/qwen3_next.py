@@ -17,7 +17,7 @@ def gdn_specs(cfg: ModelConfig, path, prefix):
     h = cfg.hidden_size
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    if cfg.model_type == "qwen3_next":
+    if cfg.gdn_grouped:
         projections = [linear((*path, "qkvz"), f"{prefix}.in_proj_qkvz", h, 2 * hk * dk + 2 * hv * dv),
                        linear((*path, "ba"), f"{prefix}.in_proj_ba", h, 2 * hv)]
     else:
