@@ -52,8 +52,8 @@ stage() {   # stage NAME SECONDS CMD...: run, log, record rc and wall time
 
 PYTEST=($PY -m pytest -q -p no:cacheprovider --hypothesis-seed=0 --maxfail=20)
 stage kernel_tests 140 env ATLAS_JAX_PALLAS_COMPILED=$compiled "${PYTEST[@]}" \
-  tests/test_pallas_attention.py tests/test_pallas_gdn.py tests/test_moe.py
-stage model_tests 130 env JAX_DEFAULT_MATMUL_PRECISION=highest "${PYTEST[@]}" tests/test_pallas_model.py
+  tests/kernels/test_pallas_attention.py tests/kernels/test_pallas_gdn.py tests/kernels/test_moe.py
+stage model_tests 130 env JAX_DEFAULT_MATMUL_PRECISION=highest "${PYTEST[@]}" tests/kernels/test_pallas_model.py
 stage bench_kernels 100 $PY scripts/bench_kernels.py $quick
 if [ "$compiled" = 1 ]; then
   stage bench 170 $PY scripts/bench.py --make qwen3-next-12l --dtype bfloat16 --batch 1,8,32,128 --prompt 512 --new 64

@@ -1,6 +1,7 @@
 import atexit
 import contextlib
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -31,6 +32,22 @@ jax.config.update("jax_compilation_cache_max_size", 16 << 30)
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
+
+SEED_ENV = "ATLAS_JAX_TEST_SEED"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    """One seed per run for every hypothesis test (a fresh one unless given), shared with the xdist workers
+    through the environment and printed at the end: `ATLAS_JAX_TEST_SEED=N` reruns the same draws."""
+    if config.getoption("hypothesis_seed", None) is None:
+        seed = os.environ.get(SEED_ENV) or str(random.SystemRandom().randrange(2 ** 31))
+        os.environ[SEED_ENV] = config.option.hypothesis_seed = seed
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    seed = config.getoption("hypothesis_seed", None)
+    terminalreporter.write_line(f"hypothesis seed {seed}: rerun the same examples with {SEED_ENV}={seed}")
 
 
 

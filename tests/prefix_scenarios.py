@@ -1,4 +1,4 @@
-"""Prefix-caching scenarios shared by tests/test_prefix_cache.py and tests/test_mtp.py: each runs a
+"""Prefix-caching scenarios shared by tests/engine/test_prefix_cache.py and tests/engine/test_mtp.py: each runs a
 workload on an engine built with enable_prefix_caching and returns its outputs; `on_and_off` runs
 one with caching on and then off on the same compiled engine and checks they agree."""
 import numpy as np

@@ -2,10 +2,13 @@
 the text into two deltas and character by character; a streamed result must equal the whole one and
 never emit text it later takes back (a tag's first characters are held until decided)."""
 import json
+import os
 
 import pytest
 
 from atlas_jax.frontend.parsers import (OutputParser, resolve_reasoning_parser, resolve_tool_parser)
+
+TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates")
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
     "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -80,13 +83,13 @@ def test_streamed_at_every_split_point(case):
 
 
 def test_auto_detection_from_template():
-    qwen3 = open(__file__.replace("test_parsers.py", "templates/qwen3.jinja")).read()
+    qwen3 = open(os.path.join(TEMPLATES, "qwen3.jinja")).read()
     assert resolve_tool_parser("auto", qwen3) == "qwen3_json"
     assert resolve_reasoning_parser("auto", qwen3) == "qwen3"
     xml = "{{ '<tool_call>\\n<function=' ~ name ~ '>\\n<parameter=' }}"
     assert resolve_tool_parser("auto", xml) == "qwen3_xml"
     assert resolve_tool_parser("auto", "{{ messages }}") == "none"
-    llama3 = open(__file__.replace("test_parsers.py", "templates/llama3.jinja")).read()
+    llama3 = open(os.path.join(TEMPLATES, "llama3.jinja")).read()
     assert resolve_tool_parser("auto", llama3) == "llama3_json" and resolve_reasoning_parser("auto", llama3) == "none"
     assert resolve_tool_parser("hermes", "") == "qwen3_json" and resolve_tool_parser("qwen3_coder", "") == "qwen3_xml"
     with pytest.raises(ValueError, match="tool-call parser"):

@@ -18,7 +18,7 @@ from atlas_jax.engine.client import FINISHED
 from atlas_jax.engine.outputs import CompletionOutput, RequestOutput
 from atlas_jax.frontend.tokenizer import Tokenizer
 
-TEMPLATES = os.path.join(os.path.dirname(__file__), "templates")
+TEMPLATES = os.path.join(os.path.dirname(os.path.dirname(__file__)), "templates")
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
                                            "parameters": {"type": "object", "properties": {
                                                "city": {"type": "string"}, "days": {"type": "integer"}},

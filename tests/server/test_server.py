@@ -17,7 +17,7 @@ import pytest
 
 from atlas_jax import SamplingParams
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from load_test import stream_end  # noqa: E402  (the load test's own classification of stream endings)
 
 KEY = "test-key"
@@ -283,7 +283,7 @@ def test_health_stays_fast_while_a_10mb_body_is_refused(server):
 def test_fuzz_real_server(server):
     """The hypothesis bodies of test_robustness against the server process: no 5xx; afterwards an
     ordinary request is served, every KV page is free and nothing was compiled."""
-    from test_robustness import fuzz
+    from helpers import fuzz
     compiles = _metric(server, "atlas_num_compiles")
     with httpx.Client(base_url=server[0], headers={"Authorization": f"Bearer {KEY}",
                                                    "content-type": "application/json"}, timeout=60) as c:

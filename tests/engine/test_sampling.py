@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import random_prompts
-from test_engine import sampling_batch
+from helpers import sampling_batch
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.sampler import sample

@@ -14,7 +14,7 @@ import pytest
 from budget import examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
-from test_pallas_gdn import _inputs, _rows
+from helpers import gdn_inputs, gdn_rows
 
 from atlas_jax import cpu_kernels
 from atlas_jax.batch import StepBatch
@@ -45,8 +45,8 @@ def test_recurrence_matches_reference(t, ratio, dk, dv, positions, b, delta_rule
     reading a later state position, GQA ratios; outputs and every pool position."""
     rng = np.random.default_rng(seed)
     num_slots, hk = 7, 2
-    q, k, v, g, beta, pool = _inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
-    rows = _rows(rng, b, t, num_slots, positions)
+    q, k, v, g, beta, pool = gdn_inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
+    rows = gdn_rows(rng, b, t, num_slots, positions)
     o_ref, pool_ref = reference(q, k, v, g, beta, pool.copy(), *rows, delta_rule=delta_rule)
     o, pool_out = recurrent(q, k, v, g, beta, pool.copy(), *rows, delta_rule=delta_rule)
     np.testing.assert_allclose(o, o_ref, **TOL)
@@ -55,7 +55,7 @@ def test_recurrence_matches_reference(t, ratio, dk, dv, positions, b, delta_rule
 
 def test_live_slot_with_no_tokens_keeps_its_state():
     rng = np.random.default_rng(3)
-    q, k, v, g, beta, pool = _inputs(rng, 2, 3, 1, 2, 8, 8, 4, 2)
+    q, k, v, g, beta, pool = gdn_inputs(rng, 2, 3, 1, 2, 8, 8, 4, 2)
     rows = (jnp.array([1, 2]), jnp.array([1, 0]), jnp.array([0, 3]), jnp.array([False, False]))
     o, out = recurrent(q, k, v, g, beta, pool.copy(), *rows)
     np.testing.assert_array_equal(out[1], pool[1])
@@ -66,8 +66,8 @@ def test_live_slot_with_no_tokens_keeps_its_state():
 def test_pool_updated_in_place():
     """Donated, the pool is aliased through the custom call: no copy of it in the compiled program."""
     rng = np.random.default_rng(4)
-    q, k, v, g, beta, pool = _inputs(rng, 3, 1, 2, 4, 16, 16, 64, 1)
-    rows = _rows(rng, 3, 1, 64, 1)
+    q, k, v, g, beta, pool = gdn_inputs(rng, 3, 1, 2, 4, 16, 16, 64, 1)
+    rows = gdn_rows(rng, 3, 1, 64, 1)
     step = jax.jit(lambda pool, *a: cpu_kernels.gdn_recurrent(*a[:5], pool, *a[5:])[::-1], donate_argnums=0)
     text = step.lower(pool, q, k, v, g, beta, *rows).compile().as_text()
     shape = "f32[64,1,4,16,16]"

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 import train_tiny  # noqa: E402
 
 from atlas_jax.config import ModelConfig  # noqa: E402

@@ -10,9 +10,9 @@ import time
 import httpx
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import random_prompts, serving
+from helpers import fuzz
 
 from atlas_jax import SamplingParams
 from atlas_jax.errors import InvalidRequestError
@@ -299,61 +299,6 @@ def test_body_limit_while_reading(live):
     big = {"prompt": "def f(x): return x\n" * (BODY_LIMIT // 20 - 10), "max_tokens": 2}
     assert_openai_error(client.post("/v1/completions", json=big), 400, "prompt")
     ok(client)
-
-
-# ---- fuzz: hypothesis request bodies against the app in-process ----------------------------------
-_weird_text = st.one_of(st.text(max_size=40), st.sampled_from(["", "\udc00", "a\ud800b", "\x00", "🦀" * 20, "x" * 3000]))
-_extreme = st.one_of(st.integers(min_value=-2**80, max_value=2**80), st.sampled_from([0, -1, 1, 2**31, 2**63, 10**30]),
-                     st.floats(allow_nan=False), st.booleans(), st.none(), _weird_text,
-                     st.lists(st.integers(-5, 2**40), max_size=4), st.dictionaries(st.text(max_size=5), st.integers(),
-                                                                                   max_size=2))
-_small_tokens = st.one_of(st.integers(1, 4), _extreme)
-_sampling_fields = {
-    "temperature": st.one_of(st.floats(0, 2), _extreme), "top_p": _extreme,
-    "top_k": _extreme, "n": st.one_of(st.integers(1, 3), _extreme), "seed": _extreme, "stop": st.one_of(
-        _weird_text, st.lists(_weird_text, max_size=20), _extreme), "stop_token_ids": _extreme, "logprobs": _extreme,
-    "min_p": _extreme, "presence_penalty": _extreme, "repetition_penalty": _extreme, "stream": _extreme,
-    "ignore_eos": _extreme, "model": st.one_of(st.just("tiny"), _extreme), "logit_bias": _extreme,
-    "stream_options": st.one_of(st.just({"include_usage": True}), _extreme),
-}
-_message = st.fixed_dictionaries({"role": st.one_of(st.sampled_from(["user", "system", "assistant"]), _extreme),
-                                  "content": st.one_of(_weird_text, st.lists(st.fixed_dictionaries(
-                                      {"type": st.sampled_from(["text", "image_url", 5]), "text": _weird_text}),
-                                      max_size=3), _extreme)})
-completion_bodies = st.fixed_dictionaries(
-    {"prompt": st.one_of(_weird_text, st.lists(st.integers(-3, 600), max_size=8), st.lists(_weird_text, max_size=3),
-                         st.lists(st.lists(st.integers(0, 600), max_size=4), max_size=3), _extreme),
-     "max_tokens": _small_tokens},
-    optional=_sampling_fields)
-chat_bodies = st.fixed_dictionaries(
-    {"messages": st.one_of(st.lists(_message, max_size=3), _extreme), "max_tokens": _small_tokens},
-    optional={**_sampling_fields, "logprobs": _extreme, "top_logprobs": _extreme, "max_completion_tokens": _extreme})
-bodies = st.one_of(st.tuples(st.just("/v1/completions"), completion_bodies),
-                   st.tuples(st.just("/v1/chat/completions"), chat_bodies),
-                   st.tuples(st.just("/tokenize"), st.fixed_dictionaries({}, optional={"prompt": _extreme,
-                                                                                      "messages": _extreme})),
-                   st.tuples(st.just("/detokenize"), st.fixed_dictionaries({"tokens": st.one_of(
-                       st.lists(st.integers(-2**40, 2**40), max_size=5), _extreme)})))
-
-
-def fuzz(post, max_examples: int) -> None:
-    """post(path, raw body) -> response, for `max_examples` hypothesis bodies (fixed seed)."""
-    @settings(max_examples=max_examples, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
-    @given(bodies)
-    def run(case):
-        fuzz_check(post, *case)
-    run()
-
-
-def fuzz_check(post, path, body):
-    raw = json.dumps(body, allow_nan=True).encode()
-    r = post(path, raw)
-    assert r.status_code < 500, (path, body, r.status_code, r.text[:300])
-    if r.status_code != 200:
-        assert set(r.json()["error"]) == {"message", "type", "param", "code"}
-    elif body.get("stream") is True:
-        assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
 
 
 def test_fuzz_in_process(live, default_llm):

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LINT = ("import sys\nfrom importlinter.cli import lint_imports\n"
         "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True))")
 HOST_ONLY = ["atlas_jax.errors", "atlas_jax.frontend.tokenizer", "atlas_jax.frontend.chat", "atlas_jax.frontend.parsers",

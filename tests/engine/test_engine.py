@@ -11,21 +11,7 @@ from conftest import random_prompts
 from atlas_jax import SamplingParams
 from atlas_jax.engine.buckets import mixed_decode_buckets, powers_of_two, prefill_token_buckets
 from atlas_jax.engine.row import RowInput
-from atlas_jax.engine.sampler import SamplingBatch, sample
-from atlas_jax.engine.sampling_params import BIAS_COLUMNS, NO_BIAS
-
-
-def sampling_batch(**cols):
-    """A SamplingBatch with every field defaulted to 'off' except the given columns."""
-    import jax.numpy as jnp
-    n = len(next(iter(cols.values())))
-    defaults = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-                    frequency_penalty=0.0, num_logprobs=-1, seed=0, step=0, slot=0,
-                    bias_ids=[NO_BIAS] * BIAS_COLUMNS, bias=[0.0] * BIAS_COLUMNS, bias_only=False)
-    dtypes = dict(top_k=jnp.int32, num_logprobs=jnp.int32, seed=jnp.uint32, step=jnp.int32, slot=jnp.int32,
-                  bias_ids=jnp.int32, bias_only=jnp.bool_)
-    return SamplingBatch(**{k: jnp.asarray(np.asarray(cols.get(k, [d] * n)), dtypes.get(k, jnp.float32))
-                            for k, d in defaults.items()})
+from atlas_jax.engine.sampler import sample
 
 
 @pytest.fixture(scope="module")

@@ -6,10 +6,10 @@ boundaries, GQA ratios 1 and 2, Dv split into column blocks, state positions R =
 R = T (verify intermediates), fresh and carried states, with and without the delta rule."""
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from budget import examples
+from helpers import gdn_inputs, gdn_rows
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,27 +21,9 @@ INTERPRET = os.environ.get("ATLAS_JAX_PALLAS_COMPILED") != "1"
 TOL = dict(atol=2e-4, rtol=2e-4)
 
 
-def _inputs(rng, b, t, hk, hv, dk, dv, num_slots, positions):
-    n = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-    q = l2_normalize(n(b, t, hk, dk)) * dk ** -0.5
-    k = l2_normalize(n(b, t, hk, dk))
-    g = -jax.nn.softplus(n(b, t, hv))
-    beta = jax.nn.sigmoid(n(b, t, hv))
-    return q, k, n(b, t, hv, dv), g, beta, n(num_slots, positions, hv, dk, dv)
-
-
-def _rows(rng, b, t, num_slots, positions):
-    q_len = rng.integers(0, t + 1, b).astype(np.int32)
-    slot = rng.permutation(num_slots)[:b].astype(np.int32)
-    slot[q_len == 0] = num_slots                                   # padding rows: out-of-range slot
-    read_idx = rng.integers(0, positions, b).astype(np.int32)
-    fresh = rng.random(b) < 0.3
-    return jnp.asarray(slot), jnp.asarray(read_idx), jnp.asarray(q_len), jnp.asarray(fresh)
-
-
 def test_reference_matches_engine_recurrence():
     rng = np.random.default_rng(0)
-    q, k, v, g, beta, pool = _inputs(rng, 3, 6, 2, 4, 8, 12, 5, 1)
+    q, k, v, g, beta, pool = gdn_inputs(rng, 3, 6, 2, 4, 8, 12, 5, 1)
     slot, read_idx = jnp.array([4, 0, 2]), jnp.zeros(3, jnp.int32)
     o, pool2 = kernels.reference(q, k, v, g, beta, pool, slot, read_idx, jnp.full(3, 6), jnp.zeros(3, bool))
     o_x, s_x = xla_gdn.recurrent(jnp.repeat(q, 2, 2), jnp.repeat(k, 2, 2), v, g, beta, pool[slot, 0])
@@ -79,8 +61,8 @@ def test_recurrent_kernel_matches_reference(t, ratio, dk, dv, verify, delta_rule
     rng = np.random.default_rng(seed)
     b, hk, num_slots = 4, 2, 6
     positions = t if verify else 1
-    q, k, v, g, beta, pool = _inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
-    rows = _rows(rng, b, t, num_slots, positions)
+    q, k, v, g, beta, pool = gdn_inputs(rng, b, t, hk, hk * ratio, dk, dv, num_slots, positions)
+    rows = gdn_rows(rng, b, t, num_slots, positions)
     o_ref, pool_ref = kernels.reference(q, k, v, g, beta, pool, *rows, delta_rule=delta_rule)
     o, pool_out = kernels.gdn_recurrent(q, k, v, g, beta, pool.copy(), *rows, interpret=INTERPRET,
                                         delta_rule=delta_rule)
@@ -95,7 +77,7 @@ def test_verify_intermediates_equal_one_token_at_a_time():
     the same tokens one decode step at a time leaves after token t."""
     rng = np.random.default_rng(7)
     t, hk, hv, dk, dv = 6, 1, 2, 16, 128
-    q, k, v, g, beta, pool = _inputs(rng, 2, t, hk, hv, dk, dv, 3, t)
+    q, k, v, g, beta, pool = gdn_inputs(rng, 2, t, hk, hv, dk, dv, 3, t)
     slot, read_idx, q_len, fresh = jnp.array([2, 0]), jnp.array([3, 0]), jnp.array([6, 4]), jnp.array([False, True])
     _, verified = kernels.gdn_recurrent(q, k, v, g, beta, pool.copy(), slot, read_idx, q_len, fresh, interpret=INTERPRET)
     single = pool[:, :1]
@@ -112,7 +94,7 @@ def test_verify_intermediates_equal_one_token_at_a_time():
 
 def _packed(rng, lengths, hk, hv, dk, dv):
     n = sum(lengths)
-    q, k, v, g, beta, _ = _inputs(rng, 1, n, hk, hv, dk, dv, 1, 1)
+    q, k, v, g, beta, _ = gdn_inputs(rng, 1, n, hk, hv, dk, dv, 1, 1)
     return tuple(x[0] for x in (q, k, v, g, beta))
 
 

@@ -3,7 +3,7 @@ snapshots), a tiny Nemotron-H (Mamba2 state snapshots) and a tiny Qwen3 (attenti
 equals the output with it off — greedy and seeded sampling — for multi-turn conversations with a
 shared system prompt, prompts shorter than a page, hits ending mid-page and a few tokens past a page
 boundary, exact repeats, n > 1 (forked), swap and recompute preemption, after evictions, and with
-the ngram and self-speculative drafters (MTP: tests/test_mtp.py). Off is the same compiled engine
+the ngram and self-speculative drafters (MTP: tests/engine/test_mtp.py). Off is the same compiled engine
 with caching switched off (`set_prefix_caching`), so both runs share every executable. After each
 run every page and slot is back (idle cached pages count as free) and no reference is left."""
 import dataclasses
