@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import random_prompts
+from helpers import sampling_batch
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.buckets import mixed_decode_buckets, powers_of_two, prefill_token_buckets

@@ -103,7 +103,8 @@ def _gdn_case(rng, grouped, hk, ratio, dk, dv, width, num_slots, positions, shap
                                   slot=jnp.asarray(slot),
                                   state_idx=jnp.asarray(rng.integers(0, positions, b), jnp.int32)))
     cfg = types.SimpleNamespace(linear_num_key_heads=hk, linear_num_value_heads=hv, linear_key_head_dim=dk,
-                                linear_value_head_dim=dv, rms_norm_eps=1e-6)
+                                linear_value_head_dim=dv, rms_norm_eps=1e-6,
+                                gdn_grouped=grouped)
     x = n(sum(b * t for b, t in shapes), width)
     return p, x, ssm, tuple(segments), cfg
 
