@@ -46,7 +46,7 @@ def step_inputs(runner, b: int, k: int, draft: bool, start: int = 64):
     segments, sampling, prompt_lens, mtp_in = runner.batch.pack((rows,), ((bucket(b), k),), rows)
     args = (segments, sampling, prompt_lens)
     if k > 1:
-        args += (np.full((bucket(b), k), 7, np.int32),)
+        args += (np.full((bucket(b), k), 7, np.int32), np.full((bucket(b),), k - 1, np.int32))   # drafts, room
     return ("verify" if k > 1 else "step"), args + (mtp_in,), rows
 
 

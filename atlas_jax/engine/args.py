@@ -49,7 +49,7 @@ class EngineArgs:
     max_lora_rank: int = _knob(16, "the largest LoRA rank served (smaller ranks are zero-padded)")
     max_cpu_loras: int | None = _knob(None, "LoRA adapters kept in host memory (default: max_loras)")
     async_scheduling: bool = _knob(True, "schedule and dispatch step t+1 while step t runs (the host reads a step's "
-                                   "tokens one step late; outputs unchanged); off with speculative decoding")
+                                   "tokens one step late; outputs unchanged); with speculation only for mtp without the prefix cache")
     speculative: dict | None = _knob(None, "speculative decoding: METHOD[:NUM_DRAFTS] (mtp, self, ngram; e.g. "
                                      "'mtp:2') or a JSON object {\"method\": ..., \"num_drafts\": ...}")
 

@@ -242,43 +242,53 @@ class AsyncLLM:
                                                                    background=self._warmup == "background")
                 self._ready.set()
             while not self._stop.is_set():
-                block = not self.engine.has_unfinished()
-                try:
-                    cmd = self._commands.get(block=block, timeout=0.1 if block else None)
-                    self._handle(cmd)
-                    while True:
-                        self._handle(self._commands.get_nowait())
-                except queue.Empty:
-                    pass
+                self._drain_commands(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     for req in self.engine.step():
                         self._emit(req)
         except BaseException as e:           # noqa: BLE001 — the engine is dead; fail everyone loudly
-            log.critical("the engine died: its step running request(s) %s raised; every request in flight "
-                         "fails and no more are accepted", self.engine.step_requests[:32], exc_info=e)
-            with self._lock:
-                self.errored = e
-            err = EngineDeadError(f"engine step failed: {e!r}")
-            for rid in list(self.engine.requests):
-                try:
-                    self.engine.abort(rid, reason="error", error=str(err))
-                except Exception:            # noqa: BLE001 — host bookkeeping only; keep failing the rest
-                    self.engine.requests.pop(rid, None)
-                self._push(rid, err)
-            with self._lock:
-                pending = list(self._streams)
-            for rid in pending:
-                self._push(rid, err)
+            self._fail_all(e)
             return
-        for rid in list(self.engine.requests):          # shutdown: abort what is left
+        self._shut_down()
+
+    def _drain_commands(self, block: bool) -> None:
+        """Handles every queued command; waits up to 0.1 s for the first when the engine is idle."""
+        try:
+            self._handle(self._commands.get(block=block, timeout=0.1 if block else None))
+            while True:
+                self._handle(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _fail_all(self, e: BaseException) -> None:
+        """The engine died: every request in flight and every stream not yet submitted fails with
+        EngineDeadError; `errored` makes later submissions fail at once."""
+        log.critical("the engine died: its step running request(s) %s raised; every request in flight "
+                     "fails and no more are accepted", self.engine.step_requests[:32], exc_info=e)
+        with self._lock:
+            self.errored = e
+        err = EngineDeadError(f"engine step failed: {e!r}")
+        for rid in list(self.engine.requests):
+            try:
+                self.engine.abort(rid, reason="error", error=str(err))
+            except Exception:            # noqa: BLE001 — host bookkeeping only; keep failing the rest
+                self.engine.requests.pop(rid, None)
+            self._push(rid, err)
+        with self._lock:
+            pending = list(self._streams)
+        for rid in pending:
+            self._push(rid, err)
+
+    def _shut_down(self) -> None:
+        """Aborts what is left (their streams end), drops the step in flight, fails "add" commands never handled."""
+        for rid in list(self.engine.requests):
             req = self.engine.abort(rid)
             if req is not None:
                 self._emit(req)
-        self.engine.drain()                              # the step in flight: its tokens are dropped
+        self.engine.drain()
         with self._lock:
-            unsubmitted = list(self._streams)           # "add" commands never handled: their callers wait
+            unsubmitted = list(self._streams)
         for rid in unsubmitted:
             self._push(rid, EngineDeadError("engine is shutting down"))
-
 
 FINISHED = _Finished     # the end-of-stream sentinel on a request's queue (engine/client.py)

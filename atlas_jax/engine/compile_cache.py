@@ -38,22 +38,10 @@ def default_compile_cache_dir() -> str:
     return os.path.join(home, "xla_cache")
 
 
-def install_repair() -> bool:
-    """Hook the repair into jax's cache (idempotent); False when this jax lacks the hooks."""
-    global _installed
-    if _installed:
-        return True
-    try:
-        from jax._src import compilation_cache as cc
-        from jax._src.lru_cache import LRUCache
-        read, make = cc.get_executable_and_time, cc.get_file_cache
-    except (ImportError, AttributeError) as e:
-        log.warning("compile cache repair unavailable on jax %s (%r): corrupt entries stay", jax.__version__, e)
-        return False
-
-    class AtomicLRUCache(LRUCache):
+def _atomic_lru_cache(base: type) -> type:
+    """jax's LRUCache with an atomic put (temporary file renamed into place) and drop(key)."""
+    class AtomicLRUCache(base):
         def put(self, key: str, value: bytes) -> None:
-            """LRUCache.put, written to a temporary file and renamed into place."""
             path = self.path / f"{key}-cache"
             tmp = self.path / f".{key}.{uuid.uuid4().hex}.tmp"
             if self.eviction_enabled:
@@ -76,24 +64,45 @@ def install_repair() -> bool:
             for suffix in ("-cache", "-atime"):
                 (self.path / f"{key}{suffix}").unlink(missing_ok=True)
 
-    def get_file_cache(path: str):
-        cache, where = make(path)
-        if type(cache) is LRUCache:                        # (not the content-verifying wrapper)
-            cache.__class__ = AtomicLRUCache
-        return cache, where
+    return AtomicLRUCache
 
+
+def _dropping_corrupt(read, cc, atomic: type):
+    """cc.get_executable_and_time that treats an entry which does not load as a miss and deletes it."""
     def get_executable_and_time(cache_key, *args, **kwargs):
         try:
             return read(cache_key, *args, **kwargs)
         except Exception as e:                             # noqa: BLE001 — a corrupt entry: recompile, rewrite
             cache = cc._cache
-            if not isinstance(cache, AtomicLRUCache):
+            if not isinstance(cache, atomic):
                 raise
             log.warning("compile cache entry %s does not load (%s: %s); dropped, the fresh compile replaces it",
                         cache_key, type(e).__name__, str(e)[:200])
             cache.drop(cache_key)
             return None, None
+    return get_executable_and_time
 
-    cc.get_file_cache, cc.get_executable_and_time = get_file_cache, get_executable_and_time
+
+def install_repair() -> bool:
+    """Hook the repair into jax's cache (idempotent); False when this jax lacks the hooks."""
+    global _installed
+    if _installed:
+        return True
+    try:
+        from jax._src import compilation_cache as cc
+        from jax._src.lru_cache import LRUCache
+        read, make = cc.get_executable_and_time, cc.get_file_cache
+    except (ImportError, AttributeError) as e:
+        log.warning("compile cache repair unavailable on jax %s (%r): corrupt entries stay", jax.__version__, e)
+        return False
+    atomic = _atomic_lru_cache(LRUCache)
+
+    def get_file_cache(path: str):
+        cache, where = make(path)
+        if type(cache) is LRUCache:                        # (not the content-verifying wrapper)
+            cache.__class__ = atomic
+        return cache, where
+
+    cc.get_file_cache, cc.get_executable_and_time = get_file_cache, _dropping_corrupt(read, cc, atomic)
     _installed = True
     return True

@@ -32,9 +32,11 @@ log = logging.getLogger("atlas_jax.engine")
 
 @dataclasses.dataclass
 class InFlight:
-    """A dispatched plain step: its outputs on the device, and per row (seq, tokens fed, samples, draft_ok)."""
+    """A dispatched step: its outputs on the device, per row (seq, tokens fed, samples), and for a verify
+    step the drafts each decode row fed (its first len(drafted) rows; None: a plain step)."""
     launched: Launched
-    work: list[tuple[Sequence, int, bool, bool]]
+    work: list[tuple[Sequence, int, bool]]
+    drafted: list[int] | None = None
 
 
 class EngineCore(EngineIntrospection):
@@ -69,7 +71,7 @@ class EngineCore(EngineIntrospection):
         self.num_failed_requests = 0                 # failed alone by step containment
         self.num_aborted: dict[str, int] = {}        # requests ended early, by reason (abort, timeout, error)
         # async scheduling: the dispatched step whose tokens the host has not read (None: none)
-        self.async_scheduling = config.async_scheduling and self.proposer is None
+        self.async_scheduling = config.async_scheduling      # the setting; _overlaps() says where it applies
         self.inflight: InFlight | None = None
         self.num_overlapped = 0                      # steps dispatched before the previous one was resolved
         self.step_seconds = 0.0                      # in step(); less runner.wait_seconds: the host's own time
@@ -173,11 +175,19 @@ class EngineCore(EngineIntrospection):
     def _may_overlap(self) -> bool:
         """The next step may be scheduled before the one in flight is resolved: async scheduling, and no
         running sequence whose next row's inputs need its pending token on the host (bad_words)."""
-        return self.async_scheduling and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
+        return self._overlaps() and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
+
+    def _overlaps(self) -> bool:
+        """Async scheduling applies: no drafter, or MTP (its drafts never leave the device) without the prefix
+        cache (its snapshots need exact positions at dispatch)."""
+        if not self.async_scheduling or self.proposer is None:
+            return self.async_scheduling
+        return self.config.mtp_drafts > 0 and self.scheduler.cache is None
 
     def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
-        """One forward: a verify step when a decoding row has drafts (synchronous), else a plain step,
-        dispatched; the step in flight before it is resolved meanwhile (or this one, when synchronous)."""
+        """One forward, dispatched: a verify step when a decoding row has drafts or is behind a verify row in
+        flight, else a plain step; the step in flight before it is resolved meanwhile (or this one, when
+        synchronous)."""
         now, nd = time.monotonic(), len(plan.decode)
         work = [(s, 1) for s in plan.decode] + plan.prefill
         for s, _ in work:
@@ -185,32 +195,34 @@ class EngineCore(EngineIntrospection):
                 s.metrics.first_scheduled_time = now
         drafts = spec_steps.drafts_for(self, plan) if speculate and self.proposer is not None and nd else [[]] * nd
         rows = [row_of(s, n, s in plan.draft_ok) for s, n in work]
-        if any(drafts):
-            spec_steps.run_verify(self, work, rows, drafts, touched)
-            return
-        launched = self.runner.launch(rows[:nd], rows[nd:])
+        if spec_steps.needs_verify(plan, drafts):
+            launched, drafted = spec_steps.launch_verify(self, plan, rows, drafts), [len(d) for d in drafts]
+        else:
+            launched, drafted = self.runner.launch(rows[:nd], rows[nd:]), None
+            if nd and self.proposer is not None:
+                self.spec_stats.record_decode(nd, nd)
         self.num_steps += 1
-        if nd and self.proposer is not None:
-            self.spec_stats.record_decode(nd, nd)
-        flight = InFlight(launched, [(s, n, self._dispatched(s, n), r.draft_ok) for (s, n), r in zip(work, rows)])
+        flight = InFlight(launched, [(s, n, self._dispatched(s, n, r.draft_ok)) for (s, n), r in zip(work, rows)],
+                          drafted)
         previous, self.inflight = self.inflight, flight
         if previous is not None:
             self.num_overlapped += 1
             self._resolve(touched, previous)
-        if not self.async_scheduling:
+        if not self._overlaps():
             self._resolve(touched)
-        for seq, _, _, _ in flight.work:               # registration and snapshots after the tokens before are known
-            if not seq.finished:
+        for seq, _, _ in flight.work:                  # registration and snapshots once positions are exact
+            if not seq.finished and not seq.slack:
                 self._contain(seq, touched, lambda: self.scheduler.progressed(seq))
 
-    def _dispatched(self, seq: Sequence, n: int) -> bool:
+    def _dispatched(self, seq: Sequence, n: int, draft_ok: bool) -> bool:
         """Host bookkeeping of a row at dispatch: n more tokens cached, and (True) a pending sampled token
-        when the row reached the last known one."""
+        when the row reached the last known one (with MTP drafts from it on the device when draft_ok)."""
         seq.num_cached += n
         seq.state_idx = min(n, self.runner.state_positions) - 1
         if seq.num_uncached:
             return False                                  # a prompt chunk that did not reach the end
         seq.pending += 1
+        seq.device_drafts = self.config.mtp_drafts if draft_ok else 0
         return True
 
     def _resolve(self, touched: dict, flight: "InFlight | None" = None) -> None:
@@ -218,10 +230,14 @@ class EngineCore(EngineIntrospection):
         if flight is None:
             flight, self.inflight = self.inflight, None
         out = flight.launched.fetch()
-        if self.proposer is not None:
-            spec_steps.keep_drafts(self, [s for s, _, _, _ in flight.work], [ok for _, _, _, ok in flight.work])
-        for i, (seq, _, samples, _) in enumerate(flight.work):
-            if samples and not seq.finished:              # finished meanwhile: this row's token is dropped
+        verify_rows = len(flight.drafted) if flight.drafted is not None else 0
+        for i, (seq, _, samples) in enumerate(flight.work):
+            if not samples or seq.finished:               # finished meanwhile: this row's tokens are dropped
+                continue
+            if i < verify_rows:
+                self._contain(seq, touched, lambda: spec_steps.resolve_row(self, seq, flight.drafted[i], out, i,
+                                                                           touched))
+            else:
                 self._contain(seq, touched, lambda: self._emit(seq, out, i, touched))
 
     def _emit(self, seq: Sequence, out: dict, i: int, touched: dict) -> None:

@@ -48,7 +48,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None
     lora: LoRAConfig | None
     seed: int
-    async_scheduling: bool = True    # (without speculation: EngineCore.async_scheduling)
+    async_scheduling: bool = True    # (where it applies: EngineCore._overlaps)
 
     @property
     def max_num_seqs(self) -> int:

@@ -117,7 +117,7 @@ class InputBatch:
                                  jax.ShapeDtypeStruct((b,), jnp.bool_))
         mtp = (tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp else None
         args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
-        return args + ((i32(*shape[0]),) if kind == "verify" else ()) + (mtp,)
+        return args + ((i32(*shape[0]), i32(shape[0][0])) if kind == "verify" else ()) + (mtp,)
 
 
 def bias_columns(rows) -> dict:

@@ -19,7 +19,7 @@ class RowInput:
     seed: int = 0
     step: int = 0              # tokens this request has sampled so far
     prompt_len: int = 0        # fed positions below this are prompt tokens (penalty history)
-    state_idx: int = 0         # recurrent-state position to read (layers/gdn.py)
+    state_idx: int = 0         # recurrent-state position to read (layers/gdn.py); -1: a chase row (steps.chase)
     next_token: int = -1       # MTP: the token after the last fed one when known (mid-prompt chunk), else -1
     draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
     logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
@@ -31,7 +31,7 @@ def row_of(seq, n: int, draft_ok: bool = False) -> RowInput:
     end = seq.num_cached + n
     return RowInput(tokens=seq.next_tokens(n), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
                     params=seq.params, seed=seq.seed, step=seq.num_generated, prompt_len=len(seq.prompt_ids),
-                    state_idx=seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
+                    state_idx=-1 if seq.slack else seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
                     logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
                     adapter=seq.adapter_slot or 0, draft_ok=draft_ok)
 

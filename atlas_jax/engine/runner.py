@@ -61,17 +61,21 @@ def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarr
 class Launched:
     """A dispatched step whose outputs are still on the device."""
     runner: "ModelRunner"
-    sampled: object            # SampleOut (device)
-    drafts: object             # MTP drafts [rows, mtp_drafts] (device) or None
+    sampled: object            # SampleOut (device): one plain sample per sampling row
     live: list[int]            # sampling rows that are real rows, in `decode + prefill` order
     logprobs: bool             # some row asked for logprobs
+    runs: tuple = ()           # verify steps: (emitted [B, K], count [B]) on the device
 
     def fetch(self) -> dict[str, np.ndarray]:
-        """Wait for the step; its outputs as host arrays (ModelRunner.step), MTP drafts to `runner.last_drafts`.
-        The time blocked here adds to `runner.wait_seconds`."""
-        self.runner.wait((self.sampled, self.drafts))
-        self.runner.last_drafts = np.asarray(self.drafts)[self.live] if self.drafts is not None else None
-        return host_outputs(self.sampled, self.live, self.logprobs)
+        """Wait for the step; its outputs as host arrays (ModelRunner.step; verify steps add emitted [rows, K]
+        and count [rows] of the verify rows). The time blocked here adds to `runner.wait_seconds`."""
+        self.runner.wait((self.sampled, self.runs))
+        out = host_outputs(self.sampled, self.live, self.logprobs)
+        if self.runs:
+            emitted, count = (np.asarray(x) for x in self.runs)
+            n = sum(1 for i in self.live if i < emitted.shape[0])
+            out["emitted"], out["count"] = emitted[:n], count[:n]
+        return out
 
 
 class ModelRunner:
@@ -93,13 +97,14 @@ class ModelRunner:
         self.state_positions = verify_tokens                         # recurrent-state positions per slot
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
         self.self_drafts = config.speculative is not None and config.speculative.method == "self"
-        self.last_drafts = None                                      # [rows, mtp_drafts] from the last step
         mtp_layers = len(params.get("mtp", {}).get("layers", ()))
         self.state = EngineState(init_state(cfg, self.num_pages, c.page_size, c.num_slots, dtype, verify_tokens),
                                  init_penalty_state(c.num_slots, cfg.vocab_size),
                                  init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
                                  init_snapshots(cfg, c.num_snapshots, dtype),
-                                 self._init_lora_pool(config.lora, dtype), jnp.zeros((c.num_slots,), jnp.int32))
+                                 self._init_lora_pool(config.lora, dtype), jnp.zeros((c.num_slots,), jnp.int32),
+                                 jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
+                                 jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None)
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), self.params, self.state)
@@ -173,10 +178,9 @@ class ModelRunner:
         pad = shape[0][0] - len(decode) if decode and prefill else 0     # a mixed step's padding decode rows
         sampling_rows = list(decode) + [None] * pad + list(prefill)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
-        out, drafts = self._run("step", *self.batch.pack(tuple(x for x in (decode, prefill) if x), shape,
-                                                         sampling_rows))
+        out, _ = self._run("step", *self.batch.pack(tuple(x for x in (decode, prefill) if x), shape, sampling_rows))
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
-        return Launched(self, out, drafts, live, any(r.params.logprobs is not None for r in rows))
+        return Launched(self, out, live, any(r.params.logprobs is not None for r in rows))
 
     def wait(self, outputs):
         """Block until a step's device outputs are ready; the time blocked adds to `wait_seconds`."""
@@ -185,17 +189,26 @@ class ModelRunner:
         self.wait_seconds += time.perf_counter() - t0
         return outputs
 
-    def verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = ()):
-        """One verify step: row i feeds its last token + drafts[i] (ragged, any row may have none),
-        optionally beside prefill rows (a mixed step). Compiled per (batch bucket, K = 1 + the most
-        drafts); a mixed step always uses the largest batch bucket and K. Returns (runs, out): runs[i]
-        = the tokens decode row i emits (its accepted drafts, then the target's own token); out =
-        `step`'s dict over the decode rows then the prefill rows (the plain sample: a decode row
-        without drafts gets exactly what `step` would give it, penalties and logprobs included)."""
+    def verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = (),
+               room: list[int] | None = None):
+        """`launch_verify`, waited for: (runs, out), runs[i] = the tokens decode row i emits (its accepted
+        drafts, then the target's own token), out = its fetched outputs."""
+        out = self.launch_verify(rows, drafts, prefill, room).fetch()
+        return [[int(t) for t in out["emitted"][i, :out["count"][i]]] for i in range(len(rows))], out
+
+    def launch_verify(self, rows: list[RowInput], drafts: list[list[int]], prefill: list[RowInput] = (),
+                      room: list[int] | None = None) -> Launched:
+        """One verify step, dispatched: row i feeds its last token + drafts[i] (ragged, any row may have
+        none; steps.DRAFT: the slot's MTP draft on the device), optionally beside prefill rows (a mixed
+        step); room[i] caps a chase row's drafts (steps.chase; default: its drafts). Compiled per (batch
+        bucket, K = 1 + the most drafts); a mixed step uses the largest batch bucket and K. Its outputs
+        are `step`'s over the decode rows then the prefill rows (the plain sample: a decode row without
+        drafts gets exactly what `step` would give it, penalties and logprobs included), plus emitted
+        [rows, K] and count [rows] per decode row."""
         g = self.grid
         if len(rows) > g.decode_buckets[-1]:
             raise ValueError(f"{len(rows)} verify rows; the largest bucket is {g.decode_buckets[-1]}")
-        k = 1 + max(len(d) for d in drafts)
+        k = max(2, 1 + max(len(d) for d in drafts))
         if k not in g.verify_sizes:
             raise ValueError(f"{k - 1} drafts in a row; this engine verifies up to {len(g.verify_sizes)}")
         if prefill:
@@ -206,25 +219,22 @@ class ModelRunner:
         (b, k) = shape[0]
         rows = [dataclasses.replace(r, tokens=list(r.tokens) + list(d)) for r, d in zip(rows, drafts)]
         draft_cols = np.full((b, k), -1, np.int32)
+        room_col = np.zeros((b,), np.int32)
         for i, d in enumerate(drafts):
             draft_cols[i, :len(d)] = d
+            room_col[i] = len(d) if room is None else room[i]
         sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
         segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
                                                                   sampling_rows)
-        first, target, accept, new_drafts = self.wait(self._run("verify", segments, sampling, prompt_lens,
-                                                                draft_cols, mtp_in))
+        first, emitted, count, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col, mtp_in)
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
-        self.last_drafts = np.asarray(new_drafts)[live] if new_drafts is not None else None
-        out = host_outputs(first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)))
-        target, accept = np.asarray(target), np.asarray(accept)
-        runs = []
-        for i, d in enumerate(drafts):
-            n = 0
-            while n < len(d) and accept[i, n]:
-                n += 1
-            runs.append([int(t) for t in d[:n]] + [int(target[i, n])] if d else [int(out["tokens"][i])])
-        return runs, out
+        return Launched(self, first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)),
+                        (emitted, count))
+
+    def device_drafts(self, slot: int) -> np.ndarray:
+        """MTP: the drafts slot's last step made, waiting on the device for its next verify row."""
+        return np.asarray(self.state.last_drafts[slot])
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
         """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""

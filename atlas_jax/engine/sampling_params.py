@@ -66,77 +66,95 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # per prompt token: its logprob + the top n (engine enable_prompt_logprobs)
 
     def __post_init__(self):
-        def bad(field, allowed):
-            value = repr(getattr(self, field))
-            raise InvalidRequestError(f"{field} must be {allowed}, got {value[:80]}", field)
+        """Validates and normalises every field (the first bad one raises InvalidRequestError naming it)."""
+        self._check_sampling()
+        self._check_flags()
+        self._check_stops()
+        self._check_logit_controls()
 
-        def integer(field, lo, hi, allowed):
-            v = getattr(self, field)
-            if not (_is_int(v) and lo <= v <= hi):
-                bad(field, allowed)
-            object.__setattr__(self, field, int(v))
-        integer("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
+    def _bad(self, field, allowed):
+        value = repr(getattr(self, field))
+        raise InvalidRequestError(f"{field} must be {allowed}, got {value[:80]}", field)
+
+    def _integer(self, field, lo, hi, allowed):
+        v = getattr(self, field)
+        if not (_is_int(v) and lo <= v <= hi):
+            self._bad(field, allowed)
+        object.__setattr__(self, field, int(v))
+
+    def _check_sampling(self):
+        """n, max_tokens, the sampling knobs, penalties, seed and logprobs."""
+        self._integer("n", 1, MAX_N, f"an integer in [1, {MAX_N}]")
         if self.max_tokens is not None:
-            integer("max_tokens", 1, INT32_MAX, "None or an integer >= 1")
+            self._integer("max_tokens", 1, INT32_MAX, "None or an integer >= 1")
         if not (_finite(self.temperature) and self.temperature >= 0.0):
-            bad("temperature", "a finite number >= 0")
+            self._bad("temperature", "a finite number >= 0")
         if self.top_k == -1 and _is_int(self.top_k):
             object.__setattr__(self, "top_k", 0)
-        integer("top_k", 0, INT32_MAX, "-1 or 0 (off), or an integer in [1, 2**31)")
+        self._integer("top_k", 0, INT32_MAX, "-1 or 0 (off), or an integer in [1, 2**31)")
         if not (_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            bad("top_p", "in (0, 1]")
+            self._bad("top_p", "in (0, 1]")
         if not (_finite(self.min_p) and 0.0 <= self.min_p <= 1.0):
-            bad("min_p", "in [0, 1]")
+            self._bad("min_p", "in [0, 1]")
         if not (_finite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 1e6):
-            bad("repetition_penalty", "in (0, 1e6]")
+            self._bad("repetition_penalty", "in (0, 1e6]")
         for f in ("presence_penalty", "frequency_penalty"):
             if not (_finite(getattr(self, f)) and -2.0 <= getattr(self, f) <= 2.0):
-                bad(f, "in [-2, 2]")
+                self._bad(f, "in [-2, 2]")
         if self.seed is not None:
-            integer("seed", SEED_RANGE[0], SEED_RANGE[1] - 1, "None or a 64-bit integer")
+            self._integer("seed", SEED_RANGE[0], SEED_RANGE[1] - 1, "None or a 64-bit integer")
         if self.logprobs is not None:
-            integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            self._integer("logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+    def _check_flags(self):
+        """The boolean switches and output_kind."""
         for f in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, f), bool):
-                bad(f, "a boolean")
+                self._bad(f, "a boolean")
         if self.output_kind not in OUTPUT_KINDS:
-            bad("output_kind", f"one of {OUTPUT_KINDS}")
+            self._bad("output_kind", f"one of {OUTPUT_KINDS}")
+
+    def _check_stops(self):
+        """stop strings and stop token ids, normalised to tuples."""
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not (isinstance(stop, (tuple, list)) and len(stop) <= MAX_STOP_STRINGS
                 and all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_STRING_CHARS for s in stop)):
-            bad("stop", f"a non-empty string of <= {MAX_STOP_STRING_CHARS} characters or a list of up to "
+            self._bad("stop", f"a non-empty string of <= {MAX_STOP_STRING_CHARS} characters or a list of up to "
                         f"{MAX_STOP_STRINGS} of them")
         object.__setattr__(self, "stop", tuple(stop))
         ids = self.stop_token_ids
         if not (isinstance(ids, (tuple, list)) and len(ids) <= MAX_STOP_TOKEN_IDS
                 and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
-            bad("stop_token_ids", f"a list of up to {MAX_STOP_TOKEN_IDS} non-negative token ids")
+            self._bad("stop_token_ids", f"a list of up to {MAX_STOP_TOKEN_IDS} non-negative token ids")
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in ids))
+
+    def _check_logit_controls(self):
+        """logit_bias, min_tokens, bad_words, allowed_token_ids, prompt_logprobs, truncate_prompt_tokens."""
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         try:
             bias = tuple(sorted((t, v) for t, v in bias))
         except (TypeError, ValueError):
-            bad("logit_bias", "a {token id: bias} mapping")
+            self._bad("logit_bias", "a {token id: bias} mapping")
         if not (len(bias) <= MAX_LOGIT_BIAS and all(_is_int(t) and 0 <= t <= INT32_MAX and _finite(v)
                                                     and -100.0 <= v <= 100.0 for t, v in bias)):
-            bad("logit_bias", f"up to {MAX_LOGIT_BIAS} entries {{token id: bias in [-100, 100]}}")
+            self._bad("logit_bias", f"up to {MAX_LOGIT_BIAS} entries {{token id: bias in [-100, 100]}}")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(v)) for t, v in bias))
-        integer("min_tokens", 0, self.max_tokens or INT32_MAX, "an integer in [0, max_tokens]")
+        self._integer("min_tokens", 0, self.max_tokens or INT32_MAX, "an integer in [0, max_tokens]")
         words = (self.bad_words,) if isinstance(self.bad_words, str) else self.bad_words
         if not (isinstance(words, (tuple, list)) and len(words) <= MAX_BAD_WORDS
                 and all(isinstance(w, str) and 0 < len(w.strip()) <= MAX_STOP_STRING_CHARS for w in words)):
-            bad("bad_words", f"a list of up to {MAX_BAD_WORDS} non-blank strings of <= {MAX_STOP_STRING_CHARS} characters")
+            self._bad("bad_words", f"a list of up to {MAX_BAD_WORDS} non-blank strings of <= {MAX_STOP_STRING_CHARS} characters")
         object.__setattr__(self, "bad_words", tuple(words))
         if self.allowed_token_ids is not None:
             ids = self.allowed_token_ids
             if not (isinstance(ids, (tuple, list)) and 0 < len(ids) <= MAX_ALLOWED_TOKENS
                     and all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids)):
-                bad("allowed_token_ids", f"None or a list of 1 to {MAX_ALLOWED_TOKENS} token ids")
+                self._bad("allowed_token_ids", f"None or a list of 1 to {MAX_ALLOWED_TOKENS} token ids")
             object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in ids})))
         if self.prompt_logprobs is not None:
-            integer("prompt_logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
+            self._integer("prompt_logprobs", 0, MAX_LOGPROBS, f"None or an integer in [0, {MAX_LOGPROBS}]")
         if self.truncate_prompt_tokens is not None:
-            integer("truncate_prompt_tokens", 1, INT32_MAX, "None or an integer >= 1")
+            self._integer("truncate_prompt_tokens", 1, INT32_MAX, "None or an integer >= 1")
 
     @property
     def adjusts_logits(self) -> bool:

@@ -57,6 +57,9 @@ from .speculative import draft_caps, wants_drafts
 PREEMPTION_MODES = ("swap", "recompute")
 
 
+_ADMITTED, _NO_ADAPTER, _STOP = "admitted", "no adapter slot", "stop"   # _admit_one's outcomes
+
+
 @dataclasses.dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -162,13 +165,13 @@ class Scheduler:
         self._swap_in()
         decoding = [s for s in self.running if s.num_uncached == 1]       # decode rows first: 1 token each
         for seq in decoding + [s for s in self.running if s.num_uncached > 1]:
-            if seq not in self.running or (seq.pending and seq.num_tokens >= seq.max_len):
+            if seq not in self.running or (seq.pending and seq.num_tokens + seq.slack >= seq.max_len):
                 continue                                      # preempted while making room for another, or
-                                                              # its pending token is its last (async)
+                                                              # its row in flight may reach its end (async)
             n = self._chunk(seq, seq.num_cached, self._budget(chosen))
             if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
                 continue
-            if self._grow(seq, seq.num_cached + n, chosen):
+            if self._grow(seq, seq.num_cached + seq.slack + n, chosen):
                 chosen[seq] = n
         self._admit(chosen)
         plan = SchedulerOutput(decode=[s for s, n in chosen.items() if n == 1],
@@ -188,8 +191,8 @@ class Scheduler:
             return
         for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
             if seq.num_cached + n == seq.num_tokens and wants_drafts(seq):
-                fed = n + min(plan.draft_caps.get(seq, 0), len(seq.pending_drafts))   # MTP verifies its pending drafts
-                need = seq.num_cached + fed + cfg.mtp_drafts - 1
+                fed = n + min(plan.draft_caps.get(seq, 0), seq.device_drafts)   # MTP verifies the device's drafts
+                need = seq.num_cached + seq.slack + fed + cfg.mtp_drafts - 1
                 if need <= cfg.max_model_len and self.lookahead(seq, need) >= need:
                     plan.draft_ok.add(seq)
 
@@ -208,14 +211,19 @@ class Scheduler:
         return sum(1 for n in chosen.values() if n > 1)
 
     def _grow(self, seq: Sequence, num_tokens: int, chosen: dict) -> bool:
-        """Give seq pages for num_tokens, preempting others if needed. False if seq itself was preempted."""
+        """Give seq pages for num_tokens, preempting others if needed. False if seq cannot run this step
+        (preempted itself, or only sequences with a verify row in flight could make room)."""
         need = self.blocks.pages_for(num_tokens) - len(seq.pages)
         while need > self.blocks.num_free:
             # The least progress loses, the asking sequence included: a new prefill chunk never
             # evicts a long decode with more work done. Between clients, the one running the most loses
-            # first (with one client: the least progress of all).
+            # first (with one client: the least progress of all). A sequence with slack is never a
+            # victim: its length is not known until its verify row resolves.
             load = Counter(s.client for s in self.running)
-            victim = min(self.running, key=lambda s: (-load[s.client], s.num_cached, -s.order))
+            settled = [s for s in self.running if not s.slack]
+            if not settled:
+                return False
+            victim = min(settled, key=lambda s: (-load[s.client], s.num_cached, -s.order))
             chosen.pop(victim, None)
             self._preempt(victim)
             if victim is seq:
@@ -233,20 +241,13 @@ class Scheduler:
         return min(num_tokens, len(seq.pages) * self.blocks.page_size)
 
     def _admit(self, chosen: dict) -> None:
+        """Moves waiting sequences to running (slot, pages, adapter, prefix-cache hit) while slots, pages,
+        the token budget and prefill rows last; order is _admission_order's, fairness-preempting first."""
         cfg = self.config
         if not self.waiting or self.swapped:
             return
-        order = self._admission_order()
-        if len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
-            seen = []                                     # the first admissible waiting sequence, for fairness
-            for seq in order:
-                seen.append(seq)
-                if (seq.fork_leader is None or seq.fork_leader.fork_ready) and not seq.pending:
-                    self._preempt_for_fairness(seq, chosen)
-                    break
-            order = itertools.chain(seen, order)
         adapters_blocked = False
-        for seq in order:
+        for seq in self._fair_order(chosen):
             if self.swapped or len(self.running) >= cfg.max_num_seqs or not self.slots.num_free:
                 return
             if (seq.fork_leader is not None and not seq.fork_leader.fork_ready) or seq.pending or \
@@ -254,39 +255,61 @@ class Scheduler:
                 continue                                  # a sibling waits for the shared prompt to be cached
                                                           # (or an earlier sequence for an adapter slot; or a
                                                           # preempted one for its last token to reach the host)
-            budget = self._budget(chosen)
-            hit = self._lookup(seq) if budget > 0 else None
-            start = hit.length if hit is not None else 0
-            n = self._chunk(seq, start, budget)
-            if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
+            outcome = self._admit_one(seq, chosen)
+            if outcome is _STOP:
                 return
-            shared = hit.pages if hit is not None else []
-            keep = shared + ([hit.cow_page] if hit is not None and hit.cow_page is not None else [])
-            self.blocks.retain(keep)                      # out of eviction's reach from here on
-            need = self.blocks.pages_for(start + n) - len(shared)
-            if self.blocks.num_free < need + (cfg.watermark_pages if self.running else 0):
-                self.blocks.free(keep)
-                return
-            if not self._take_adapter(seq):               # every adapter slot is busy: it waits
-                self.blocks.free(keep)
-                adapters_blocked = True
-                continue
-            self.waiting.remove(seq)
-            if seq is self._fairness_head:
-                self._fairness_head = None
-            if hit is not None:
-                self.cache.record(seq.num_tokens, hit)
-                if seq.num_prefix_cached is None:
-                    seq.num_prefix_cached = hit.length
-            seq.slot = self.slots.allocate(1)[0]
-            seq.pages = shared + self.blocks.allocate(need)
-            if start:
-                self._start_from(seq, hit)
-            if hit is not None and hit.cow_page is not None:
-                self.blocks.free([hit.cow_page])
-            seq.status = Status.RUNNING
-            self._insert_running(seq)
-            chosen[seq] = n
+            adapters_blocked |= outcome is _NO_ADAPTER
+
+    def _fair_order(self, chosen: dict):
+        """_admission_order; when no slot is free, the first admissible sequence preempts for fairness first."""
+        order = self._admission_order()
+        if len(self.running) >= self.config.max_num_seqs or not self.slots.num_free:
+            seen = []
+            for seq in order:
+                seen.append(seq)
+                if (seq.fork_leader is None or seq.fork_leader.fork_ready) and not seq.pending:
+                    self._preempt_for_fairness(seq, chosen)
+                    break
+            order = itertools.chain(seen, order)
+        return order
+
+    def _admit_one(self, seq, chosen: dict):
+        """Admits seq with its first chunk: _ADMITTED, _NO_ADAPTER (every adapter slot busy; it waits), or
+        _STOP (no budget, prefill rows or pages left: admission ends this step)."""
+        cfg = self.config
+        budget = self._budget(chosen)
+        hit = self._lookup(seq) if budget > 0 else None
+        start = hit.length if hit is not None else 0
+        n = self._chunk(seq, start, budget)
+        if n < 1 or (n > 1 and self._prefill_rows(chosen) >= cfg.max_prefill_rows):
+            return _STOP
+        shared = hit.pages if hit is not None else []
+        keep = shared + ([hit.cow_page] if hit is not None and hit.cow_page is not None else [])
+        self.blocks.retain(keep)                          # out of eviction's reach from here on
+        need = self.blocks.pages_for(start + n) - len(shared)
+        if self.blocks.num_free < need + (cfg.watermark_pages if self.running else 0):
+            self.blocks.free(keep)
+            return _STOP
+        if not self._take_adapter(seq):
+            self.blocks.free(keep)
+            return _NO_ADAPTER
+        self.waiting.remove(seq)
+        if seq is self._fairness_head:
+            self._fairness_head = None
+        if hit is not None:
+            self.cache.record(seq.num_tokens, hit)
+            if seq.num_prefix_cached is None:
+                seq.num_prefix_cached = hit.length
+        seq.slot = self.slots.allocate(1)[0]
+        seq.pages = shared + self.blocks.allocate(need)
+        if start:
+            self._start_from(seq, hit)
+        if hit is not None and hit.cow_page is not None:
+            self.blocks.free([hit.cow_page])
+        seq.status = Status.RUNNING
+        self._insert_running(seq)
+        chosen[seq] = n
+        return _ADMITTED
 
     def _admission_order(self):
         """Waiting sequences (a generator, consumed as far as admission goes) in the order admission
@@ -326,7 +349,10 @@ class Scheduler:
         heavy, most = max(load.items(), key=lambda kv: kv[1])
         if load[head.client] >= share or most <= share or heavy == head.client:
             return
-        victim = min((s for s in self.running if s.client == heavy), key=lambda s: (s.num_cached, -s.order))
+        victim = min((s for s in self.running if s.client == heavy and not s.slack),
+                     key=lambda s: (s.num_cached, -s.order), default=None)
+        if victim is None:
+            return
         chosen.pop(victim, None)
         self.num_preemptions["fairness"] += 1
         self._fairness_head = head
@@ -405,7 +431,7 @@ class Scheduler:
             self.num_preemptions["recompute"] += 1
         self._release(seq)
         seq.num_cached = seq.state_idx = 0
-        seq.pending_drafts = []
+        seq.device_drafts = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

@@ -23,6 +23,7 @@ from ..frontend.detokenizer import IncrementalDetokenizer
 from .sampling_params import SamplingParams
 
 PENDING = -1                 # a token id the host has not read yet (its slot's last sampled token on the device)
+DRAFT = -2                   # an MTP draft the host never reads (its slot's next draft on the device)
 
 
 class Status(enum.Enum):
@@ -69,7 +70,9 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_cached: int = 0
     state_idx: int = 0                         # recurrent-state position holding the state after num_cached
-    pending_drafts: list[int] = dataclasses.field(default_factory=list)   # MTP drafts made by the last step
+    device_drafts: int = 0                     # MTP: drafts its last step left on the device (steps.DRAFT)
+    slack: int = 0                             # drafts of its verify row in flight (async): num_cached and
+                                               # num_tokens may be up to this much behind until it resolves
     pending: int = 0                           # sampled tokens still on the device (async scheduling): <= 1 when
                                                # a step is scheduled, 2 between a dispatch and the previous resolve
     pages: list[int] = dataclasses.field(default_factory=list)

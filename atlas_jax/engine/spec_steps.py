@@ -1,14 +1,19 @@
 """The speculative half of EngineCore's step: drafts for a plan, a verify step, and its bookkeeping.
 
 Module functions over the core (its proposer, runner, scheduler, spec_stats, containment): core.py keeps
-the plain step's schedule -> dispatch -> resolve and calls these when a decoding row has drafts. A verify
-step is synchronous (speculation turns async scheduling off); rows without drafts in it get the plain sample.
+the step's schedule -> dispatch -> resolve and calls these when a decoding row has drafts or is behind a
+verify row in flight. A verify row's host bookkeeping at dispatch counts its fed token only (num_cached,
+`pending`) and its drafts as `slack`; at resolve the accepted ones move num_cached. With MTP and async
+scheduling the next row is dispatched before that (a chase row, resolved on the device: steps.chase).
+Rows without drafts in a verify step get the plain sample.
 """
 from __future__ import annotations
 
-from .row import RowInput
 from .plan import SchedulerOutput
+from .row import RowInput, row_logprobs
+from .runner import Launched
 from .sequence import Sequence
+from .speculative import draft_room
 
 
 def drafts_for(core, plan: SchedulerOutput) -> list[list[int]]:
@@ -18,49 +23,38 @@ def drafts_for(core, plan: SchedulerOutput) -> list[list[int]]:
     return [[int(t) for t in d][:c] for d, c in zip(drafts, caps)]
 
 
-def run_verify(core, work: list, rows: list[RowInput], drafts: list[list[int]], touched: dict) -> None:
-    """One verify step over `work` (decode rows first, len(drafts) of them, then prefill rows)."""
+def needs_verify(plan: SchedulerOutput, drafts: list[list[int]]) -> bool:
+    """A verify step: some row has drafts, or is behind a verify row in flight (its position is on the device)."""
+    return any(drafts) or any(s.slack for s in plan.decode)
+
+
+def launch_verify(core, plan: SchedulerOutput, rows: list[RowInput], drafts: list[list[int]]) -> Launched:
+    """Dispatch one verify step over the plan's rows (decode rows first, len(drafts) of them)."""
     nd = len(drafts)
-    emitted, out = core.runner.verify(rows[:nd], drafts, rows[nd:])
+    launched = core.runner.launch_verify(rows[:nd], drafts, rows[nd:], [draft_room(s) for s in plan.decode])
     core.spec_stats.verify_steps += 1
-    keep_drafts(core, [s for s, _ in work], [r.draft_ok for r in rows])
-    core.num_steps += 1
-    core.spec_stats.record_decode(nd, sum(map(len, emitted)))
-    for i, (seq, n) in enumerate(work):
-        if i < nd and drafts[i]:
-            core._contain(seq, touched, lambda: _accept(core, seq, drafts[i], emitted[i], touched))
-        else:
-            core._contain(seq, touched, lambda: _advance(core, seq, n, out, i, touched))
+    for seq, d in zip(plan.decode, drafts):
+        seq.slack += len(d)
+    return launched
 
 
-def keep_drafts(core, seqs: list[Sequence], draft_ok: list[bool]) -> None:
-    """MTP: the drafts this step made for each row, to verify next step."""
-    drafts = core.runner.last_drafts
-    for i, (seq, ok) in enumerate(zip(seqs, draft_ok)):
-        seq.pending_drafts = [int(t) for t in drafts[i]] if drafts is not None and ok else []
-
-
-def _accept(core, seq: Sequence, drafts: list[int], toks: list[int], touched: dict) -> None:
-    """After a verify row with drafts: its accepted drafts and the target's token, appended one by one
-    (rows with drafts ask for no logprobs: speculative.wants_drafts)."""
-    accepted = len(toks) - 1
-    core.spec_stats.record(len(drafts), accepted)
-    seq.num_cached += 1 + accepted              # the fed token and the accepted drafts are cached
-    seq.state_idx = accepted                    # ... and their recurrent state is at this position
-    for tok in toks:
-        seq.append(tok, None)
+def resolve_row(core, seq: Sequence, drafted: int, out: dict, i: int, touched: dict) -> None:
+    """Verify row i of a resolved step reached the host: its accepted drafts and the target's token are
+    appended one by one (stop checks; rows with drafts ask for no logprobs: speculative.wants_drafts)."""
+    count = int(out["count"][i])
+    seq.pending -= 1
+    seq.slack -= drafted
+    seq.num_cached += count - 1                 # the accepted drafts are cached
+    if not seq.pending:
+        seq.state_idx = count - 1               # ... and their recurrent state is at this position
+    core.spec_stats.record_decode(1, count)
+    if drafted:
+        core.spec_stats.record(drafted, count - 1)
+    logprobs = None if drafted else row_logprobs(seq, out, i)
+    for tok in out["emitted"][i, :count]:
+        seq.append(int(tok), logprobs)
         if seq.finished:
             break
     touched[seq.request.request_id] = seq.request
     if seq.finished:
         core.scheduler.remove(seq)
-    else:
-        core.scheduler.progressed(seq)
-
-
-def _advance(core, seq: Sequence, n: int, out: dict, i: int, touched: dict) -> None:
-    """After a synchronous plain row of n tokens (a verify step's rows without drafts)."""
-    if core._dispatched(seq, n):
-        core._emit(seq, out, i, touched)
-    if not seq.finished:
-        core.scheduler.progressed(seq)

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from .row import row_of
-from .sequence import Sequence
+from .sequence import DRAFT, Sequence
 
 METHODS = ("ngram", "mtp", "self", "scripted")
 
@@ -153,10 +153,11 @@ class NgramProposer(Proposer):
 
 class MtpProposer(Proposer):
     """The checkpoint's MTP head (models/mtp.py). Its drafts are made on device by the step that
-    emitted the sequence's last token (steps.py) and wait in `Sequence.pending_drafts`."""
+    emitted the sequence's last token (steps.py) and stay there (EngineState.last_drafts): the host
+    proposes placeholders (steps.DRAFT), Sequence.device_drafts of them at most."""
 
     def propose(self, seqs, max_drafts):
-        return [s.pending_drafts[:k] for s, k in zip(seqs, max_drafts)]
+        return [[DRAFT] * min(k, s.device_drafts) for s, k in zip(seqs, max_drafts)]
 
 
 class SelfProposer(Proposer):
@@ -208,12 +209,18 @@ def draft_caps(seqs: list[Sequence], num_drafts: int, lookahead: Callable[[Seque
     random stream never depends on that."""
     caps = []
     for s in seqs:
-        room = s.max_len - s.num_tokens - 1
-        cap = min(num_drafts, room) if wants_drafts(s) and s.output_ids else 0
-        if cap > 0:
-            cap = min(cap, lookahead(s, s.num_cached + 1 + cap) - s.num_cached - 1)
+        cap = min(num_drafts, draft_room(s)) if wants_drafts(s) and s.num_generated else 0
+        if cap > 0:                  # (a row behind its verify in flight: pages for the most that may accept)
+            ahead = s.num_cached + s.slack + 1
+            cap = min(cap, lookahead(s, ahead + cap) - ahead)
         caps.append(max(cap, 0))
     return caps
+
+
+def draft_room(seq: Sequence) -> int:
+    """Drafts seq's next row may verify before its length limit, counting none of its slack as accepted
+    (steps.chase subtracts what was)."""
+    return seq.max_len - seq.num_tokens - 1
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ from ..layers.lora import with_pool
 from ..models.decoder import argmax, forward, last_positions, lm_head
 from ..state.cache import ModelState
 from .sampler import PenaltyState, record_fed_tokens, sample, verify
+from .sequence import DRAFT, PENDING
 
 
 @jax.tree_util.register_dataclass
@@ -32,19 +33,52 @@ class EngineState:
                                # slot 0 zeros (layers/lora.py, engine/lora.py); empty without LoRA
     last_tokens: jax.Array | None = None   # [S] i32 each slot's last sampled token: what a PENDING (< 0) token
                                # fed by the next step is (async scheduling: the host reads it a step late)
+    last_drafts: jax.Array | None = None   # MTP: [S, D] i32 the drafts each slot's last step made: what the
+                               # DRAFT (-2) tokens of its next verify row are (drafts never reach the host)
+    last_accept: jax.Array | None = None   # MTP: [S] i32 drafts each slot's last verify row accepted: what a
+                               # chase row (state_idx < 0: the host has not read it yet) moves by
 
 
 def fill_pending(segments, last_tokens):
-    """Segments with each PENDING (negative) token replaced by its row's slot's last sampled token."""
+    """Segments with each PENDING (-1) token replaced by its row's slot's last sampled token."""
     if last_tokens is None:
         return segments
     return tuple(dataclasses.replace(seg, tokens=jnp.where(
-        seg.tokens < 0, jnp.take(last_tokens, seg.slot, mode="clip")[:, None], seg.tokens)) for seg in segments)
+        seg.tokens == PENDING, jnp.take(last_tokens, seg.slot, mode="clip")[:, None], seg.tokens)) for seg in segments)
 
 
-def record_sampled(last_tokens, sampling, tokens):
-    """last_tokens[slot] := the token sampled for each row (padding rows' out-of-range slot: dropped)."""
-    return None if last_tokens is None else last_tokens.at[sampling.slot].set(tokens, mode="drop")
+def chase(state: EngineState, seg, sampling, drafts, room):
+    """A verify segment [B, K] resolved against what the slots' last steps left on the device.
+
+    DRAFT tokens (and their `drafts` columns) become the slot's last drafts. A chase row (state_idx < 0)
+    was built by the host before its previous verify row's acceptance was known, as if it accepted
+    none: it moves by that row's accepted count a (start, sampling step, state position a) and keeps
+    at most room - a drafts (room: the drafts the row may verify before its request's length limit,
+    counted without a). Returns (seg, sampling over the B rows, drafts [B, K], -1 where none)."""
+    b, k = seg.tokens.shape
+    if state.last_drafts is None:
+        return seg, sampling, drafts
+    col = jnp.arange(k)[None, :]
+    held = jnp.take(state.last_drafts, seg.slot, axis=0, mode="clip")[:, :k - 1]
+    held = jnp.pad(held, ((0, 0), (1, k - held.shape[1] - 1)))                  # column j + 1 = draft j
+    tokens = jnp.where(seg.tokens == DRAFT, held, seg.tokens)
+    drafts = jnp.where(drafts == DRAFT, jnp.pad(held[:, 1:], ((0, 0), (0, 1))), drafts)
+    chased = seg.state_idx < 0
+    a = jnp.where(chased, jnp.take(state.last_accept, seg.slot, mode="clip"), 0)
+    cap = jnp.clip(jnp.minimum(seg.q_len - 1, room - a), 0)
+    drafts = jnp.where(col < cap[:, None], drafts, -1)
+    seg = dataclasses.replace(seg, tokens=jnp.where(col <= cap[:, None], tokens, 0), start=seg.start + a,
+                              q_len=jnp.where(seg.q_len > 0, 1 + cap, 0), state_idx=jnp.where(chased, a, seg.state_idx))
+    return seg, dataclasses.replace(sampling, step=sampling.step + a), drafts
+
+
+def record_sampled(state: EngineState, sampling, tokens, drafts=None, accepted=None) -> dict:
+    """EngineState fields after a step: per row's slot its last sampled token, (MTP) the drafts it made and
+    the drafts it accepted (padding rows' out-of-range slot: dropped)."""
+    put = lambda pool, x: None if pool is None else pool.at[sampling.slot].set(x, mode="drop")
+    return {"last_tokens": put(state.last_tokens, tokens),
+            "last_drafts": state.last_drafts if drafts is None else put(state.last_drafts, drafts),
+            "last_accept": put(state.last_accept, jnp.zeros_like(tokens) if accepted is None else accepted)}
 
 
 def _params(params, state: EngineState):
@@ -70,42 +104,54 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
     return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv,
-                                              last_tokens=record_sampled(state.last_tokens, sampling, out.tokens))
+                                              **record_sampled(state, sampling, out.tokens, drafts))
 
 
-def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, mtp_in):
+def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, room,
+                mtp_in):
     """A [B, K] segment of rows feeding (last token, drafts...), optionally followed by a prefill
-    segment [Bp, Tp] (a mixed step). The plain sample at each verify row's position 0 (for rows
-    without drafts: penalties, logprobs) and at each prefill row's last token (sampling covers the
-    B verify rows then the prefill rows), the acceptance test at every verify position, and MTP
-    drafts for the next step (from each verify row's accepted position)."""
+    segment [Bp, Tp] (a mixed step); PENDING / DRAFT tokens and chase rows are resolved first (`chase`).
+    The plain sample at each verify row's position 0 (for rows without drafts: penalties, logprobs)
+    and at each prefill row's last token (sampling covers the B verify rows then the prefill rows),
+    the acceptance test at every verify position, and MTP drafts for the next step (from each verify
+    row's accepted position). Returns (first: the plain samples, emitted [B, K]: each verify row's
+    tokens (its accepted drafts, then the target's; -1 after them), count [B], new drafts or None)."""
+    seg = segments[0]
+    b, k = seg.tokens.shape
+    seg, verify_sampling, drafts = chase(state, seg, jax.tree.map(lambda x: x[:b], sampling), drafts, room)
+    sampling = jax.tree.map(lambda v, x: jnp.concatenate([v, x[b:]]), verify_sampling, sampling)
+    segments = fill_pending((seg,) + tuple(segments[1:]), state.last_tokens)
+    seg = segments[0]
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
     _, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels, all_hidden=True,
                                logits=False)
-    seg = segments[0]
-    b, k = seg.tokens.shape
     logits = lm_head(params, hidden[:b * k], cfg).reshape(b, k, -1)
     firsts = [logits[:, 0]]
     if len(segments) > 1:
         firsts.append(lm_head(params, last_positions(hidden[b * k:], segments[1:]), cfg))
     first = sample(jnp.concatenate(firsts), sampling, penalties)
-    target, accept = verify(logits, drafts, jax.tree.map(lambda x: x[:b], sampling))
+    target, accept = verify(logits, drafts, verify_sampling)
+    accepted = jnp.sum(jnp.cumprod(accept & (drafts >= 0), axis=1), axis=1)             # leading accepts
+    col = jnp.arange(k)[None, :]
+    last = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
+                     first.tokens[:b])
+    emitted = jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1),
+                        jnp.where(col == accepted[:, None], last[:, None], -1))
     new_drafts, draft_kv = None, state.draft_kv
     if mtp_drafts:
         next_tokens, draft_ok = mtp_in
-        accepted = jnp.sum(jnp.cumprod(accept, axis=1), axis=1)                         # leading accepts
-        emitted = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
-                            first.tokens[:b])
-        col = jnp.arange(k)[None, :]
-        tokens = [jnp.where(col < accepted[:, None], next_tokens[0], emitted[:, None])]
+        tokens = [jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1), last[:, None])]
         catch = [jnp.where(seg.q_len > 0, accepted + 1, 0)]
         if len(segments) > 1:
             tokens.append(jnp.where(next_tokens[1] >= 0, next_tokens[1], first.tokens[b:, None]))
             catch.append(segments[1].q_len)
         new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
                                            mtp_drafts, kernels)
-    return (first, target, accept, new_drafts), dataclasses.replace(state, model=model, penalties=penalties,
-                                                                    draft_kv=draft_kv)
+    pad = jnp.zeros((first.tokens.shape[0] - b,), jnp.int32)
+    written = record_sampled(state, sampling, jnp.concatenate([last, first.tokens[b:]]), new_drafts,
+                             jnp.concatenate([accepted.astype(jnp.int32), pad]))
+    return (first, emitted, accepted + 1, new_drafts), dataclasses.replace(
+        state, model=model, penalties=penalties, draft_kv=draft_kv, **written)
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
@@ -144,10 +190,11 @@ def save_pages(params, state: EngineState, pages):
 
 
 def save_slot(params, state: EngineState, slot):
-    """Copy of one slot's recurrent state and penalty history: swap-out's per-sequence part."""
+    """Copy of one slot's recurrent state, penalty history and (MTP) drafts: swap-out's per-sequence part."""
     del params
     ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
-    return (ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot]), state
+    drafts = () if state.last_drafts is None else state.last_drafts[slot]
+    return (ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot], drafts), state
 
 
 def restore_pages(params, state: EngineState, pages, saved):
@@ -162,11 +209,13 @@ def restore_pages(params, state: EngineState, pages, saved):
 def restore_slot(params, state: EngineState, slot, saved):
     """Inverse of `save_slot` into (possibly another) slot."""
     del params
-    ssm_s, in_prompt, out_count = saved
+    ssm_s, in_prompt, out_count, drafts = saved
     ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
     pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
                        state.penalties.out_count.at[slot].set(out_count))
-    return None, dataclasses.replace(state, model=dataclasses.replace(state.model, ssm=ssm), penalties=pen)
+    last_drafts = None if state.last_drafts is None else state.last_drafts.at[slot].set(drafts)
+    return None, dataclasses.replace(state, model=dataclasses.replace(state.model, ssm=ssm), penalties=pen,
+                                     last_drafts=last_drafts)
 
 
 def take_snapshot(params, state: EngineState, slot, idx, snap):

@@ -233,10 +233,11 @@ def test_mtp_drafts_equal_head_formula(mtp_engines, mtp_ckpt):
     prompt = random_prompts(256, [11], seed=12)[0]
     req = spec.engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     spec.engine.step()                                         # the whole prompt: one token + drafts
+    spec.engine.drain()                                        # (async: read the step's token)
     seq = req.seqs[0]
     first = seq.output_ids[0]
     ref, _ = _hf_mtp_logits(hf, tensors, prompt, prompt[1:] + [first])
-    assert seq.pending_drafts[0] == int(np.argmax(ref[-1]))
+    assert seq.device_drafts == 2 and spec.runner.device_drafts(seq.slot)[0] == int(np.argmax(ref[-1]))
     spec.engine.abort(req.request_id)
     jax.block_until_ready(spec.runner.state.model.kv[0][0])
 
@@ -255,10 +256,12 @@ def test_mtp_draft_vocab(mtp_engines, mtp_ckpt, tmp_path):
     spec = LLM(path, speculative={"method": "mtp", "num_drafts": 2, "token_map": str(tmp_path / "map.json")}, **ENGINE)
     req = spec.engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     spec.engine.step()                                         # the whole prompt: one token + drafts
+    spec.engine.drain()
     seq = req.seqs[0]
+    drafts = spec.runner.device_drafts(seq.slot)
     assert seq.output_ids[0] == first
-    assert seq.pending_drafts[0] == ids[int(np.argmax(ref[ids]))]
-    assert set(seq.pending_drafts) <= set(ids)
+    assert drafts[0] == ids[int(np.argmax(ref[ids]))]
+    assert set(drafts.tolist()) <= set(ids)
     spec.engine.abort(req.request_id)
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     outs = spec.generate(prompts, params)
