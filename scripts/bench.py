@@ -197,6 +197,8 @@ def main():
             })
             if rnd == 0 and args.async_ab:
                 row["scheduling"] = _sync_vs_async(llm, prompts, full, b)
+                if spec is not None:
+                    row["spec_scheduling"] = _sync_vs_async(spec, prompts, full, b)
             if spec is not None:
                 if rnd == 0:
                     truth.update({tuple(p): o.outputs[0].token_ids
