@@ -180,9 +180,9 @@ class EngineCore(EngineIntrospection):
     def _overlaps(self) -> bool:
         """Async scheduling applies: no drafter, or MTP (its drafts never leave the device) without the prefix
         cache (its snapshots need exact positions at dispatch)."""
-        if not self.async_scheduling or self.proposer is None:
-            return self.async_scheduling
-        return self.config.mtp_drafts > 0 and self.scheduler.cache is None
+        if not self.async_scheduling:
+            return False
+        return self.proposer is None or (self.config.mtp_drafts > 0 and self.scheduler.cache is None)
 
     def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
         """One forward, dispatched: a verify step when a decoding row has drafts or is behind a verify row in

@@ -135,12 +135,12 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
     col = jnp.arange(k)[None, :]
     last = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
                      first.tokens[:b])
-    emitted = jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1),
-                        jnp.where(col == accepted[:, None], last[:, None], -1))
+    run = jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1), last[:, None])   # next token per position
+    emitted = jnp.where(col <= accepted[:, None], run, -1)
     new_drafts, draft_kv = None, state.draft_kv
     if mtp_drafts:
         next_tokens, draft_ok = mtp_in
-        tokens = [jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1), last[:, None])]
+        tokens = [run]
         catch = [jnp.where(seg.q_len > 0, accepted + 1, 0)]
         if len(segments) > 1:
             tokens.append(jnp.where(next_tokens[1] >= 0, next_tokens[1], first.tokens[b:, None]))
