@@ -8,6 +8,7 @@ import dataclasses
 
 from ..config import ModelConfig
 from ..kernels import Kernels
+from ..models import family
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
@@ -49,6 +50,11 @@ class EngineConfig:
     lora: LoRAConfig | None
     seed: int
     async_scheduling: bool = True    # (where it applies: EngineCore._overlaps)
+    mtp_layers: int = 0              # the checkpoint's MTP layers as loaded (param_specs' count; 0: no head)
+
+    def param_specs(self):
+        """The loaded params' typed description (models/layout.py ParamSpec per leaf)."""
+        return family(self.model.model_type).param_specs(self.model, self.mtp_layers)
 
     @property
     def max_num_seqs(self) -> int:
@@ -65,7 +71,7 @@ class EngineConfig:
         return 1 + (self.speculative.num_drafts if self.speculative else 0)
 
     @classmethod
-    def create(cls, args: EngineArgs, cfg: ModelConfig, dtype, kernels: Kernels) -> "EngineConfig":
+    def create(cls, args: EngineArgs, cfg: ModelConfig, dtype, kernels: Kernels, mtp_layers: int = 0) -> "EngineConfig":
         a = args
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_chunk", "max_prefill_rows",
                      "max_num_batched_tokens", "num_pages"):
@@ -94,4 +100,5 @@ class EngineConfig:
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
-        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling))
+        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
+                   mtp_layers)

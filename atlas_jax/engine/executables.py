@@ -36,9 +36,10 @@ def _aval(x):
 
 class Executables:
     def __init__(self, jitted: dict, params, state):
-        """jitted: kind -> jax.jit(fn(params, state, *args))."""
+        """jitted: kind -> jax.jit(fn(params, state, *args)); params: their abstract form (from the param specs),
+        state: the arrays (their shapes and shardings are taken)."""
         self.jitted = jitted
-        self._abstract = jax.tree.map(_aval, (params, state))
+        self._abstract = (params, jax.tree.map(_aval, state))
         self._cache: dict[tuple, object] = {}
         self._lock = threading.Lock()
         self.num_compiles = 0

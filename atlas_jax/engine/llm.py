@@ -63,7 +63,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
-        self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels)
+        self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels, self.num_mtp_layers)
         self.max_model_len = self.config.max_model_len
         log.info("op table: %s", self.kernels.describe(self.cfg, self.dtype, a.page_size))
         self.engine = EngineCore(self.config, params, self.tokenizer,

@@ -29,6 +29,7 @@ import numpy as np
 from ..layers.linear import pack_linears
 from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
+from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
 from ..state.cache import init_snapshots, init_state
 from . import steps
@@ -46,6 +47,34 @@ def draft_vocab(params, ids, cfg) -> dict:
     """The MTP head's draft vocabulary: its token ids [n] and the lm_head's columns for them [H, n]."""
     ids = jnp.asarray(ids, jnp.int32)
     return {"ids": ids, "lm_head": jnp.take(lm_head_weight(params, cfg), ids, axis=1)}
+
+
+def prepared_params(params, specs, kernels):
+    """The params as the steps use them: under Kernels.cpu the projections (roles proj / head, and the MTP draft
+    vocabulary's lm_head) and every MoE layer's experts in the CPU kernels' packed layouts, chosen by the specs'
+    roles (models/layout.py); unchanged otherwise. Works on abstract params too (under jax.eval_shape)."""
+    if not kernels.cpu:
+        return params
+    params = pack_params(params, sorted({s.path[:-1] for s in specs if s.role == "experts"}, key=str), kernels)
+    heads = [("mtp_vocab", "lm_head")] if "mtp_vocab" in params else []
+    return pack_linears(params, paths_with(specs, "proj", "head") + heads, kernels)
+
+
+def served_params(config, params, mtp_token_ids=None):
+    """(the params the steps use, their abstract form derived from the param specs alone). Both are checked:
+    the loaded params against the specs, the prepared ones against the abstract form the executables are
+    lowered from (ValueError naming the first leaf that differs)."""
+    specs = config.param_specs()
+    check_params(params, abstract_params(specs, config.dtype))
+
+    def prepare(p):
+        if config.mtp_drafts and mtp_token_ids is not None:
+            p = {**p, "mtp_vocab": draft_vocab(p, mtp_token_ids, config.model)}
+        return prepared_params(p, specs, config.kernels)
+    abstract = jax.eval_shape(prepare, abstract_params(specs, config.dtype))
+    served = prepare(params)
+    check_params(served, abstract)
+    return served, abstract
 
 
 def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
@@ -86,10 +115,7 @@ class ModelRunner:
         cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
         mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
-        if mtp_drafts and mtp_token_ids is not None:
-            params = {**params, "mtp_vocab": draft_vocab(params, mtp_token_ids, cfg)}
-        # Kernels.cpu: MoE experts and projections in the CPU custom calls' packed layouts
-        self.params = pack_linears(pack_params(params, kernels), kernels) if kernels.cpu else params
+        self.params, abstract = served_params(config, params, mtp_token_ids)
         self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size
         self.num_slots, self.max_pages_per_seq = c.num_slots, c.max_pages_per_seq
         s = config.scheduler
@@ -107,7 +133,7 @@ class ModelRunner:
                                  jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None)
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
-        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), self.params, self.state)
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), abstract, self.state)
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 

@@ -2,8 +2,9 @@
 
 `PackedLinear` stands in for a [K, N] weight in the param tree: `x @ w` (every projection is written
 that way: layers/lora.project, the lm_head, MTP's fc) dispatches to it through `__rmatmul__`, so the
-layers stay unchanged. `pack_linears` packs the projections of every layer and the lm_head once, in
-the ModelRunner under Kernels.cpu; weights of other shapes or dtypes stay plain arrays.
+layers stay unchanged. `pack_linears` packs the projections the param specs name (roles proj and head,
+models/layout.py) once, in the ModelRunner under Kernels.cpu; weights the op table does not pack (too
+narrow, not fp32) stay plain arrays.
 """
 from __future__ import annotations
 
@@ -14,11 +15,9 @@ import jax.numpy as jnp
 
 from .. import cpu_kernels
 from ..kernels import CPU, Kernels
+from ..param_tree import get_path, replace_at
 
 PANEL = cpu_kernels.LINEAR_PANEL
-# param keys that are [in, out] projections applied as x @ w (layers/*, models/mtp.py, decoder.lm_head)
-PROJECTIONS = frozenset({"q", "k", "v", "o", "qkvz", "qkv", "z", "out", "in_proj", "gate", "up", "down",
-                         "latent_in", "latent_out", "fc", "lm_head"})
 
 
 @jax.tree_util.register_dataclass
@@ -52,22 +51,8 @@ def pack_linear(w) -> PackedLinear:
     return PackedLinear(cpu_kernels.strip_panels(padded_w, PANEL, cpu_kernels.strips()[1]), n)
 
 
-def packs(key, w, kernels: Kernels = CPU) -> bool:
-    return key in PROJECTIONS and isinstance(w, jax.Array) and kernels.packs_linear(w)
-
-
-def replace_params(params, applies, replace):
-    """params with every dict entry (key, value) for which applies(key, value) holds replaced by
-    replace(value) (not descended into); the rest of the tree rebuilt around the same leaves."""
-    def walk(node):
-        if isinstance(node, dict):
-            return {k: replace(v) if applies(k, v) else walk(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return node
-    return walk(params)
-
-
-def pack_linears(params, kernels: Kernels = CPU):
-    """params with every projection packed (see `packs`); the packed arrays replace the originals."""
-    return replace_params(params, lambda k, w: packs(k, w, kernels), jax.jit(pack_linear))
+def pack_linears(params, paths, kernels: Kernels = CPU):
+    """params with the [in, out] projection at each of `paths` packed where the op table packs it
+    (Kernels.packs_linear); the packed arrays replace the originals."""
+    pack = jax.jit(pack_linear)
+    return replace_at(params, [p for p in paths if kernels.packs_linear(get_path(params, p))], pack)

@@ -33,7 +33,7 @@ from pallas_kernels import grouped_matmul as pallas_gmm
 
 from .. import cpu_kernels
 from ..kernels import CPU, XLA, Kernels
-from .linear import replace_params
+from ..param_tree import get_path, replace_at
 from .mlp import mlp
 
 
@@ -209,11 +209,11 @@ def pack_experts(experts: dict) -> dict:
     return {"gate_up": gate_up, "down": cpu_kernels.strip_panels(down, PANEL_DN, sd)}
 
 
-def pack_params(params, kernels: Kernels = CPU):
-    """Every MoE layer's experts (decoder and MTP layers) packed for the CPU kernel where the table says
-    (Kernels.packs_experts); params unchanged otherwise. The packed arrays replace the originals."""
-    applies = lambda k, v: k == "experts" and isinstance(v, dict) and "up" in v and kernels.packs_experts(v["up"].dtype)
-    return replace_params(params, applies, jax.jit(pack_experts))
+def pack_params(params, paths, kernels: Kernels = CPU):
+    """params with the experts {[gate], up, down} at each of `paths` (every MoE layer's, decoder and MTP) packed
+    for the CPU kernel where the table says (Kernels.packs_experts). The packed arrays replace the originals."""
+    paths = [p for p in paths if kernels.packs_experts(get_path(params, p)["up"].dtype)]
+    return replace_at(params, paths, jax.jit(pack_experts))
 
 
 def _experts_cpu(p, x, weights, ids, act: str):

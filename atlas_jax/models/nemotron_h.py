@@ -5,7 +5,8 @@ shared expert, optional latent projections). An engine layer holds one block: a 
 is its `input_norm`, an FFN block's its `post_norm` (cfg.layer_types / cfg.ffn_types). An MTP head
 (`mtp.layers.*`, vLLM's NemotronH-MTP layout) is loaded when present."""
 from ..config import FULL_ATTENTION, MAMBA, MLP, MOE, NONE, ModelConfig
-from .layout import ParamSpec, attention_specs, linear, vector
+from .layout import (attention_specs, conv, experts_spec, head_specs, linear, mlp_specs, norm, per_expert_spec,
+                     router_spec, vector)
 
 MODEL_TYPES = ("nemotron_h",)
 
@@ -13,44 +14,44 @@ MODEL_TYPES = ("nemotron_h",)
 def mamba_specs(cfg: ModelConfig, path, prefix):
     h, hm, c = cfg.hidden_size, cfg.mamba_num_heads, cfg.mamba_conv_dim
     width = hm * cfg.mamba_head_dim
-    specs = [linear((*path, "in_proj"), f"{prefix}.in_proj", h, width + c + hm),
-             ParamSpec((*path, "conv"), (f"{prefix}.conv1d.weight",), (c, 1, cfg.mamba_conv_kernel), "conv"),
-             vector((*path, "dt_bias"), f"{prefix}.dt_bias", hm),
-             vector((*path, "A_log"), f"{prefix}.A_log", hm),
-             vector((*path, "D"), f"{prefix}.D", hm),
-             vector((*path, "norm"), f"{prefix}.norm.weight", width),
-             linear((*path, "out"), f"{prefix}.out_proj", width, h)]
+    specs = [linear((*path, "in_proj"), f"{prefix}.in_proj", h, width + c + hm, ("hidden", "mamba_in")),
+             conv((*path, "conv"), f"{prefix}.conv1d.weight", c, cfg.mamba_conv_kernel, "mamba_conv"),
+             vector((*path, "dt_bias"), f"{prefix}.dt_bias", hm, "mamba_heads"),
+             vector((*path, "A_log"), f"{prefix}.A_log", hm, "mamba_heads"),
+             vector((*path, "D"), f"{prefix}.D", hm, "mamba_heads"),
+             norm((*path, "norm"), f"{prefix}.norm.weight", width, "mamba_inner"),
+             linear((*path, "out"), f"{prefix}.out_proj", width, h, ("mamba_inner", "hidden"))]
     if cfg.mamba_conv_bias:
-        specs.append(vector((*path, "conv_bias"), f"{prefix}.conv1d.bias", c))
+        specs.append(vector((*path, "conv_bias"), f"{prefix}.conv1d.bias", c, "mamba_conv"))
     if cfg.mamba_proj_bias:
-        specs += [vector((*path, "in_proj_bias"), f"{prefix}.in_proj.bias", width + c + hm),
-                  vector((*path, "out_bias"), f"{prefix}.out_proj.bias", h)]
+        specs += [vector((*path, "in_proj_bias"), f"{prefix}.in_proj.bias", width + c + hm, "mamba_in"),
+                  vector((*path, "out_bias"), f"{prefix}.out_proj.bias", h, "hidden")]
     return specs
 
 
 def relu2_specs(path, prefix, hidden, inter):
-    return [linear((*path, "up"), f"{prefix}.up_proj", hidden, inter),
-            linear((*path, "down"), f"{prefix}.down_proj", inter, hidden)]
+    return mlp_specs(path, prefix, hidden, inter, gated=False)
 
 
 def moe_specs(cfg: ModelConfig, path, prefix, fused_experts: bool):
     h, f, e = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     d = cfg.moe_latent_size or h                                   # the experts' width
+    width = "latent" if cfg.moe_latent_size else "hidden"
+    up_axes, down_axes = (width, "expert_mlp"), ("expert_mlp", width)
     if fused_experts:        # transformers' own layout: experts.up_proj [E, F, D], experts.down_proj [E, D, F]
-        experts = [ParamSpec((*path, "experts", "up"), (f"{prefix}.experts.up_proj",), (e, f, d), "experts"),
-                   ParamSpec((*path, "experts", "down"), (f"{prefix}.experts.down_proj",), (e, d, f), "experts")]
+        experts = [experts_spec((*path, "experts", "up"), (f"{prefix}.experts.up_proj",), (e, f, d), "experts", up_axes),
+                   experts_spec((*path, "experts", "down"), (f"{prefix}.experts.down_proj",), (e, d, f), "experts",
+                                down_axes)]
     else:
-        def per_expert(proj, n_in, n_out):
-            names = tuple(f"{prefix}.experts.{i}.{proj}_proj.weight" for i in range(e))
-            return ParamSpec((*path, "experts", proj), names, (n_out, n_in), "linear")
-        experts = [per_expert("up", d, f), per_expert("down", f, d)]
-    specs = [linear((*path, "router"), f"{prefix}.gate", h, e),
-             vector((*path, "router_bias"), f"{prefix}.gate.e_score_correction_bias", e), *experts]
+        experts = [per_expert_spec(path, prefix, e, "up", d, f, up_axes),
+                   per_expert_spec(path, prefix, e, "down", f, d, down_axes)]
+    specs = [router_spec(path, prefix, h, e),
+             vector((*path, "router_bias"), f"{prefix}.gate.e_score_correction_bias", e, "router"), *experts]
     if cfg.shared_expert_intermediate_size:
         specs += relu2_specs((*path, "shared"), f"{prefix}.shared_experts", h, cfg.shared_expert_intermediate_size)
     if cfg.moe_latent_size:
-        specs += [linear((*path, "latent_in"), f"{prefix}.fc1_latent_proj", h, d),
-                  linear((*path, "latent_out"), f"{prefix}.fc2_latent_proj", d, h)]
+        specs += [linear((*path, "latent_in"), f"{prefix}.fc1_latent_proj", h, d, ("hidden", "latent")),
+                  linear((*path, "latent_out"), f"{prefix}.fc2_latent_proj", d, h, ("latent", "hidden"))]
     return specs
 
 
@@ -61,12 +62,12 @@ def mtp_specs(cfg: ModelConfig, blocks: int, fused_experts: bool):
     if blocks != 2 or cfg.mtp_ffn == NONE:
         raise ValueError(f"this checkpoint's MTP head has {blocks} blocks; the engine runs [attention, mlp | moe]")
     h, path = cfg.hidden_size, ("mtp", "layers", 0)
-    specs = [linear(("mtp", "fc"), "mtp.layers.0.eh_proj", 2 * h, h),
-             vector(("mtp", "pre_fc_norm_embedding"), "mtp.layers.0.enorm.weight", h),
-             vector(("mtp", "pre_fc_norm_hidden"), "mtp.layers.0.hnorm.weight", h),
-             vector(("mtp", "norm"), "mtp.layers.1.final_layernorm.weight", h),
-             vector((*path, "input_norm"), "mtp.layers.0.norm.weight", h),
-             vector((*path, "post_norm"), "mtp.layers.1.norm.weight", h),
+    specs = [linear(("mtp", "fc"), "mtp.layers.0.eh_proj", 2 * h, h, ("hidden_pair", "hidden")),
+             norm(("mtp", "pre_fc_norm_embedding"), "mtp.layers.0.enorm.weight", h),
+             norm(("mtp", "pre_fc_norm_hidden"), "mtp.layers.0.hnorm.weight", h),
+             norm(("mtp", "norm"), "mtp.layers.1.final_layernorm.weight", h),
+             norm((*path, "input_norm"), "mtp.layers.0.norm.weight", h),
+             norm((*path, "post_norm"), "mtp.layers.1.norm.weight", h),
              *attention_specs(cfg, (*path, "attn"), "mtp.layers.0.mixer")]
     if cfg.mtp_ffn == MLP:
         return specs + relu2_specs((*path, "mlp"), "mtp.layers.1.mixer", h, cfg.intermediate_size)
@@ -76,14 +77,11 @@ def mtp_specs(cfg: ModelConfig, blocks: int, fused_experts: bool):
 def param_specs(cfg: ModelConfig, mtp_layers: int = 0, fused_experts: bool = False):
     """mtp_layers: the checkpoint's mtp.layers.* blocks (0: no head)."""
     pre, h = cfg.weight_prefix, cfg.hidden_size
-    specs = [ParamSpec(("embed",), (f"{pre}embeddings.weight",), (cfg.vocab_size, h)),
-             vector(("final_norm",), f"{pre}norm_f.weight", h)]
-    if not cfg.tie_word_embeddings:
-        specs.append(linear(("lm_head",), "lm_head", h, cfg.vocab_size))
+    specs = head_specs(cfg, f"{pre}embeddings.weight", f"{pre}norm_f.weight")
     for i, (mixer, ffn) in enumerate(zip(cfg.layer_types, cfg.ffn_types)):
         path, prefix = ("layers", i), f"{pre}layers.{i}.mixer"
-        norm = "input_norm" if ffn not in (MLP, MOE) else "post_norm"
-        specs.append(vector((*path, norm), f"{pre}layers.{i}.norm.weight", h))
+        norm_key = "input_norm" if ffn not in (MLP, MOE) else "post_norm"
+        specs.append(norm((*path, norm_key), f"{pre}layers.{i}.norm.weight", h))
         if mixer == MAMBA:
             specs += mamba_specs(cfg, (*path, "mamba"), prefix)
         elif mixer == FULL_ATTENTION:

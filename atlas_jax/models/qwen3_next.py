@@ -7,7 +7,7 @@ all k, all v heads; in_proj_z; in_proj_b; in_proj_a) where Qwen3-Next groups the
 (in_proj_qkvz, in_proj_ba); multimodal checkpoints nest the decoder under model.language_model.
 (cfg.weight_prefix); MoE checkpoints may hold each layer's experts fused in two 3-D tensors."""
 from ..config import ModelConfig
-from .layout import ParamSpec, attention_specs, embedding_specs, ffn_specs, linear, vector
+from .layout import attention_specs, conv, embedding_specs, ffn_specs, linear, norm, vector
 from .mtp import mtp_config
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
@@ -18,26 +18,27 @@ def gdn_specs(cfg: ModelConfig, path, prefix):
     hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
     if cfg.gdn_grouped:
-        projections = [linear((*path, "qkvz"), f"{prefix}.in_proj_qkvz", h, 2 * hk * dk + 2 * hv * dv),
-                       linear((*path, "ba"), f"{prefix}.in_proj_ba", h, 2 * hv)]
+        projections = [linear((*path, "qkvz"), f"{prefix}.in_proj_qkvz", h, 2 * hk * dk + 2 * hv * dv,
+                              ("hidden", "gdn_qkvz")),
+                       linear((*path, "ba"), f"{prefix}.in_proj_ba", h, 2 * hv, ("hidden", "gdn_ba"))]
     else:
-        projections = [linear((*path, "qkv"), f"{prefix}.in_proj_qkv", h, 2 * hk * dk + hv * dv),
-                       linear((*path, "z"), f"{prefix}.in_proj_z", h, hv * dv),
-                       linear((*path, "b"), f"{prefix}.in_proj_b", h, hv),
-                       linear((*path, "a"), f"{prefix}.in_proj_a", h, hv)]
+        projections = [linear((*path, "qkv"), f"{prefix}.in_proj_qkv", h, 2 * hk * dk + hv * dv, ("hidden", "gdn_qkv")),
+                       linear((*path, "z"), f"{prefix}.in_proj_z", h, hv * dv, ("hidden", "gdn_value")),
+                       linear((*path, "b"), f"{prefix}.in_proj_b", h, hv, ("hidden", "gdn_heads")),
+                       linear((*path, "a"), f"{prefix}.in_proj_a", h, hv, ("hidden", "gdn_heads"))]
     return [
         *projections,
-        ParamSpec((*path, "conv"), (f"{prefix}.conv1d.weight",), (cfg.gdn_conv_dim, 1, cfg.linear_conv_kernel_dim), "conv"),
-        vector((*path, "A_log"), f"{prefix}.A_log", hv),
-        vector((*path, "dt_bias"), f"{prefix}.dt_bias", hv),
-        vector((*path, "norm"), f"{prefix}.norm.weight", dv),
-        linear((*path, "out"), f"{prefix}.out_proj", hv * dv, h),
+        conv((*path, "conv"), f"{prefix}.conv1d.weight", cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim, "gdn_conv"),
+        vector((*path, "A_log"), f"{prefix}.A_log", hv, "gdn_heads"),
+        vector((*path, "dt_bias"), f"{prefix}.dt_bias", hv, "gdn_heads"),
+        norm((*path, "norm"), f"{prefix}.norm.weight", dv, "value_dim"),
+        linear((*path, "out"), f"{prefix}.out_proj", hv * dv, h, ("gdn_value", "hidden")),
     ]
 
 
 def layer_specs(cfg: ModelConfig, i: int, path, prefix, fused_experts: bool = False):
-    specs = [vector((*path, "input_norm"), f"{prefix}.input_layernorm.weight", cfg.hidden_size),
-             vector((*path, "post_norm"), f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)]
+    specs = [norm((*path, "input_norm"), f"{prefix}.input_layernorm.weight", cfg.hidden_size),
+             norm((*path, "post_norm"), f"{prefix}.post_attention_layernorm.weight", cfg.hidden_size)]
     if cfg.layer_types[i] == "full_attention":
         specs += attention_specs(cfg, (*path, "attn"), f"{prefix}.self_attn")
     else:
@@ -47,10 +48,10 @@ def layer_specs(cfg: ModelConfig, i: int, path, prefix, fused_experts: bool = Fa
 
 def mtp_specs(cfg: ModelConfig, num_layers: int, fused_experts: bool = False):
     h = cfg.hidden_size
-    specs = [linear(("mtp", "fc"), "mtp.fc", 2 * h, h),
-             vector(("mtp", "pre_fc_norm_embedding"), "mtp.pre_fc_norm_embedding.weight", h),
-             vector(("mtp", "pre_fc_norm_hidden"), "mtp.pre_fc_norm_hidden.weight", h),
-             vector(("mtp", "norm"), "mtp.norm.weight", h)]
+    specs = [linear(("mtp", "fc"), "mtp.fc", 2 * h, h, ("hidden_pair", "hidden")),
+             norm(("mtp", "pre_fc_norm_embedding"), "mtp.pre_fc_norm_embedding.weight", h),
+             norm(("mtp", "pre_fc_norm_hidden"), "mtp.pre_fc_norm_hidden.weight", h),
+             norm(("mtp", "norm"), "mtp.norm.weight", h)]
     mcfg = mtp_config(cfg)
     for i in range(num_layers):
         specs += layer_specs(mcfg, 0, ("mtp", "layers", i), f"mtp.layers.{i}", fused_experts)

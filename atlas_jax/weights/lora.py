@@ -56,8 +56,7 @@ def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]
     out = {}
     for spec in family(cfg.model_type).param_specs(cfg):
         name = spec.hf_names[0]
-        if spec.kind == "linear" and len(spec.hf_names) == 1 and name.endswith(".weight") \
-                and spec.path[-1] not in ("router", "lm_head"):
+        if spec.role == "proj":
             n_out, n_in = spec.hf_shape
             out[name[:-len(".weight")]] = (".".join(map(str, spec.path)), (n_in, n_out))
     return out

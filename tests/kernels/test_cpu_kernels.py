@@ -158,18 +158,19 @@ def test_linear_matches_float64(m, k, n, seed):
     np.testing.assert_allclose(y, x @ w, atol=1e-4 * np.sqrt(k), rtol=1e-4)
 
 
-def test_pack_linears_packs_projections_only():
+def test_pack_linears_packs_the_paths_it_is_given():
     p = {"embed": jnp.ones((10, 16)), "lm_head": jnp.ones((16, 100)),
          "layers": [{"attn": {"q": jnp.ones((16, 128)), "k": jnp.ones((16, 8)), "q_norm": jnp.ones(16)},
-                     "moe": {"router": jnp.ones((16, 64)), "shared": {"up": jnp.ones((16, 64))},
-                             "shared_gate": jnp.ones((16, 1))}}]}
-    packed = linear.pack_linears(p)
+                     "moe": {"router": jnp.ones((16, 64)), "shared": {"up": jnp.ones((16, 64))}}}]}
+    paths = [("lm_head",), ("layers", 0, "attn", "q"), ("layers", 0, "attn", "k"), ("layers", 0, "moe", "shared", "up")]
+    packed = linear.pack_linears(p, paths)
     lay = packed["layers"][0]
     assert isinstance(packed["lm_head"], linear.PackedLinear) and isinstance(lay["attn"]["q"], linear.PackedLinear)
     assert isinstance(lay["moe"]["shared"]["up"], linear.PackedLinear)
-    for kept in (packed["embed"], lay["attn"]["k"], lay["attn"]["q_norm"], lay["moe"]["router"],
-                 lay["moe"]["shared_gate"]):
+    # k is too narrow for the kernel (Kernels.packs_linear); the rest was not named
+    for kept in (packed["embed"], lay["attn"]["k"], lay["attn"]["q_norm"], lay["moe"]["router"]):
         assert isinstance(kept, jax.Array)
+    assert lay["moe"]["router"] is p["layers"][0]["moe"]["router"]
     x = jnp.ones((2, 3, 16))
     np.testing.assert_array_equal(x @ lay["attn"]["q"], x @ p["layers"][0]["attn"]["q"])
 

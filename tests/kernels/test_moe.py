@@ -135,7 +135,7 @@ def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
         p.get("shared", {}).pop("gate", None)
     x = jax.random.normal(jax.random.PRNGKey(seed + 1), (n, h))
     ref = _dense_reference(p, x, k, True)
-    packed = moe_mod.pack_params(p)
+    packed = moe_mod.pack_params(p, [("experts",)])
     assert set(packed["experts"]) == {"gate_up", "down"}
     spec = moe_mod.MoeSpec(k, act="silu" if glu else "relu2", shared=shared, shared_gate=shared)
     out = jax.jit(lambda p, x: moe_mod.moe(p, x, spec, CPU))(packed, x)
@@ -145,17 +145,18 @@ def test_cpu_kernel_matches_dense_reference(n, h, f, e, k, glu, shared, seed):
 
 
 @cpu_kernel
-def test_pack_params_packs_every_moe_layer_and_nothing_else():
+def test_pack_params_packs_the_moe_layers_it_is_given():
     layer = {"moe": _params(0), "input_norm": jnp.ones(16)}
     params = {"embed": jnp.ones((8, 16)), "layers": [layer, {"mlp": _params(1)["shared"]}],
               "mtp": {"layers": [layer]}}
-    packed = moe_mod.pack_params(params)
+    paths = [("layers", 0, "moe", "experts"), ("mtp", "layers", 0, "moe", "experts")]
+    packed = moe_mod.pack_params(params, paths)
     for lay in (packed["layers"][0], packed["mtp"]["layers"][0]):
         assert set(lay["moe"]["experts"]) == {"gate_up", "down"}
         assert lay["moe"]["router"] is layer["moe"]["router"] and lay["input_norm"] is layer["input_norm"]
     assert packed["layers"][1]["mlp"] == params["layers"][1]["mlp"]
     bf16 = jax.tree.map(lambda a: a.astype(jnp.bfloat16), params)
-    assert set(moe_mod.pack_params(bf16)["layers"][0]["moe"]["experts"]) == {"gate", "up", "down"}
+    assert set(moe_mod.pack_params(bf16, paths)["layers"][0]["moe"]["experts"]) == {"gate", "up", "down"}
 
 
 def test_dispatch_choice():
