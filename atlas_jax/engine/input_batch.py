@@ -1,9 +1,14 @@
 """Host packing of one step's rows into the compiled step's arguments, and their abstract form.
 
-`InputBatch.pack` turns RowInputs into numpy arrays (segments, sampling columns, prompt lengths, MTP
+`InputBatch.pack` turns RowInputs into numpy arrays (segments, sampling input, prompt lengths, MTP
 inputs) that the executable's own call transfers; `InputBatch.abstract` gives the same arguments as
 ShapeDtypeStructs for a shape bucket (what warm-up lowers). Both live here so that they cannot drift.
 Padding rows are inert: no tokens (q_len 0), the out-of-range slot, greedy sampling, no logprobs.
+
+The persistent batch: sampling parameters live per slot on the device (EngineState.sampling). `held` mirrors
+what each device slot holds (the row's params object, seed and logit adjustments); a row whose slot holds
+something else is sent as an update, the rest send only (slot, step). A pack's mirror changes take effect
+when the runner `commit`s them after the step was dispatched; `forget` marks every slot unknown.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..batch import StepBatch
-from .sampler import SamplingBatch
+from .sampler import INERT, SamplingInput, SlotSampling
 from .row import RowInput
 from .sampling_params import BIAS_COLUMNS, NO_BIAS
 
@@ -25,6 +30,22 @@ class InputBatch:
     num_slots: int             # the padding rows' (out-of-range) slot
     lora: bool                 # segments carry an adapter column
     mtp: bool                  # steps take MTP inputs
+    held: list = dataclasses.field(init=False)       # per slot: (params, seed, logit_adjust) on the device, or None
+    _pending: list = dataclasses.field(init=False, default_factory=list)   # (slot, key) of the last pack
+    _no_update: dict = dataclasses.field(init=False, default_factory=dict)   # rows b -> device-resident empty update
+
+    def __post_init__(self):
+        self.forget()
+
+    def forget(self) -> None:
+        self.held = [None] * self.num_slots
+        self._pending = []
+
+    def commit(self) -> None:
+        """The last pack's updates reached the device (its step was dispatched)."""
+        for slot, key in self._pending:
+            self.held[slot] = key
+        self._pending = []
 
     # ---- host arrays ---------------------------------------------------------------------------
     def segment(self, rows: list[RowInput], b: int, t: int) -> StepBatch:
@@ -45,22 +66,42 @@ class InputBatch:
         return StepBatch(tokens=tokens, q_len=q_len, start=start, block_table=table, slot=slot, state_idx=state_idx,
                          adapter=adapter if self.lora else None)
 
-    def sampling(self, rows: list[RowInput | None], b: int) -> SamplingBatch:
-        """Sampling columns for b rows: `rows` in order (None = a padding row), then padding rows."""
-        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots)
-        rows = [r if r is not None else filler for r in rows] + [filler] * (b - len(rows))
+    def sampling(self, rows: list[RowInput | None], b: int) -> SamplingInput:
+        """The sampling input for b rows: `rows` in order (None = a padding row), then padding rows."""
+        slot = np.full((b,), self.num_slots, np.int32)
+        step = np.zeros((b,), np.int32)
+        changed: list[RowInput] = []
+        self._pending = []
+        for i, r in enumerate(rows):
+            if r is None:
+                continue
+            slot[i], step[i] = r.slot, r.step
+            held = self.held[r.slot]
+            if held is None or held[0] is not r.params or held[1] != r.seed or held[2] != r.logit_adjust:
+                changed.append(r)
+                self._pending.append((r.slot, (r.params, r.seed, r.logit_adjust)))
+        if not changed:
+            if b not in self._no_update:
+                self._no_update[b] = jax.device_put(self.updates([], b))
+            return SamplingInput(slot, step, *self._no_update[b])
+        return SamplingInput(slot, step, *self.updates(changed, b))
+
+    def updates(self, rows: list[RowInput], b: int) -> tuple[np.ndarray, SlotSampling]:
+        """(update_slot [b], columns [b]) rewriting the slots of `rows`; the other entries drop (slot S + 1)."""
+        filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots + 1)
+        rows = rows + [filler] * (b - len(rows))
 
         def col(get, dt):
             return np.array([get(r) for r in rows], dt)
-        return SamplingBatch(
+        return col(lambda r: r.slot, np.int32), SlotSampling(
             temperature=col(lambda r: r.params.temperature, np.float32), top_k=col(lambda r: r.params.top_k, np.int32),
             top_p=col(lambda r: r.params.top_p, np.float32), min_p=col(lambda r: r.params.min_p, np.float32),
             repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32),
             presence_penalty=col(lambda r: r.params.presence_penalty, np.float32),
             frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32),
-            num_logprobs=col(lambda r: -1 if r.params.logprobs is None else r.params.logprobs, np.int32),
-            seed=col(lambda r: r.seed, np.uint32), step=col(lambda r: r.step, np.int32),
-            slot=col(lambda r: r.slot, np.int32), **bias_columns(rows))
+            num_logprobs=col(lambda r: INERT["num_logprobs"] if r.params.logprobs is None else r.params.logprobs,
+                             np.int32),
+            seed=col(lambda r: r.seed, np.uint32), **bias_columns(rows))
 
     @staticmethod
     def prompt_lens(segments, groups) -> tuple:
@@ -111,10 +152,10 @@ class InputBatch:
         segs = tuple(segment(b, t) for b, t in shape)
         b = sum(bb for bb, _ in shape)
         f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
-        sampling = SamplingBatch(f32, i32(b), f32, f32, f32, f32, f32, i32(b), jax.ShapeDtypeStruct((b,), jnp.uint32),
-                                 i32(b), i32(b), i32(b, BIAS_COLUMNS),
-                                 jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32),
-                                 jax.ShapeDtypeStruct((b,), jnp.bool_))
+        columns = SlotSampling(f32, i32(b), f32, f32, f32, f32, f32, i32(b), jax.ShapeDtypeStruct((b,), jnp.uint32),
+                               i32(b, BIAS_COLUMNS), jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32),
+                               jax.ShapeDtypeStruct((b,), jnp.bool_))
+        sampling = SamplingInput(i32(b), i32(b), i32(b), columns)
         mtp = (tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp else None
         args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))
         return args + ((i32(*shape[0]), i32(shape[0][0])) if kind == "verify" else ()) + (mtp,)

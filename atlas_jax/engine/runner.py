@@ -37,8 +37,8 @@ from .buckets import Grid, bucket
 from .executables import Executables
 from .input_batch import InputBatch
 from .row import RowInput
-from .sampler import init_penalty_state
-from .sampling_params import MAX_LOGPROBS
+from .sampler import init_penalty_state, init_slot_sampling
+from .sampling_params import BIAS_COLUMNS, MAX_LOGPROBS
 from .state_ops import KINDS as STATE_OP_KINDS, SWAP_CHUNK_PAGES, StateOps
 from .steps import EngineState
 
@@ -130,7 +130,8 @@ class ModelRunner:
                                  init_snapshots(cfg, c.num_snapshots, dtype),
                                  self._init_lora_pool(config.lora, dtype), jnp.zeros((c.num_slots,), jnp.int32),
                                  jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
-                                 jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None)
+                                 jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
+                                 init_slot_sampling(c.num_slots, BIAS_COLUMNS))
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), abstract, self.state)
@@ -205,6 +206,7 @@ class ModelRunner:
         sampling_rows = list(decode) + [None] * pad + list(prefill)
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         out, _ = self._run("step", *self.batch.pack(tuple(x for x in (decode, prefill) if x), shape, sampling_rows))
+        self.batch.commit()
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
         return Launched(self, out, live, any(r.params.logprobs is not None for r in rows))
 
@@ -253,6 +255,7 @@ class ModelRunner:
         segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
                                                                   sampling_rows)
         first, emitted, count, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col, mtp_in)
+        self.batch.commit()
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         return Launched(self, first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)),

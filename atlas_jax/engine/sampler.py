@@ -48,6 +48,58 @@ class SamplingBatch:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class SlotSampling:
+    """Sampling parameters per slot: the persistent batch's columns (EngineState.sampling, [S + 1]; row S holds
+    the padding rows' inert defaults) or the slots a step rewrites ([U] beside their slot ids). A row's
+    SamplingBatch is gathered from its slot's row; the host sends a slot's parameters only when the
+    sequence holding it (or its logit adjustments) changed (input_batch.py)."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    min_p: jax.Array
+    repetition_penalty: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    num_logprobs: jax.Array
+    seed: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+    bias_only: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingInput:
+    """A step's sampling argument: per row its slot and RNG step, and the slot columns to rewrite first."""
+    slot: jax.Array            # [B] i32 (num_slots for padding rows: the inert row)
+    step: jax.Array            # [B] i32 tokens sampled so far by the row's request
+    update_slot: jax.Array     # [U] i32 slots whose columns `update` replaces (num_slots + 1: none)
+    update: SlotSampling       # [U]
+
+    def resolve(self, columns: SlotSampling) -> tuple[SlotSampling, SamplingBatch]:
+        """(the columns after this step's updates, the rows' SamplingBatch gathered from them)."""
+        columns = jax.tree.map(lambda c, u: c.at[self.update_slot].set(u, mode="drop"), columns, self.update)
+        idx = jnp.minimum(self.slot, columns.temperature.shape[0] - 1)
+        rows = {f.name: getattr(columns, f.name)[idx] for f in dataclasses.fields(SlotSampling)}
+        return columns, SamplingBatch(**rows, step=self.step, slot=self.slot)
+
+
+INERT = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, num_logprobs=-1, seed=0, bias=0.0, bias_only=False)   # bias_ids: NO_BIAS
+
+
+def init_slot_sampling(num_slots: int, bias_columns: int) -> SlotSampling:
+    """Every slot (and the padding row num_slots) at the inert defaults: greedy, no filters, no logprobs."""
+    n = num_slots + 1
+    cols = {k: jnp.full((n,), v, jnp.float32 if isinstance(v, float) else jnp.bool_ if isinstance(v, bool)
+                        else jnp.int32) for k, v in INERT.items() if k != "bias"}
+    cols["seed"] = jnp.zeros((n,), jnp.uint32)
+    return SlotSampling(**cols, bias_ids=jnp.full((n, bias_columns), NO_BIAS, jnp.int32),
+                        bias=jnp.zeros((n, bias_columns), jnp.float32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class PenaltyState:
     in_prompt: jax.Array    # [S, V] bool
     out_count: jax.Array    # [S, V] i32

@@ -17,7 +17,7 @@ from ..models import mtp
 from ..layers.lora import with_pool
 from ..models.decoder import argmax, forward, last_positions, lm_head
 from ..state.cache import ModelState
-from .sampler import PenaltyState, record_fed_tokens, sample, verify
+from .sampler import PenaltyState, SamplingInput, SlotSampling, record_fed_tokens, sample, verify
 from .sequence import DRAFT, PENDING
 
 
@@ -37,6 +37,8 @@ class EngineState:
                                # DRAFT (-2) tokens of its next verify row are (drafts never reach the host)
     last_accept: jax.Array | None = None   # MTP: [S] i32 drafts each slot's last verify row accepted: what a
                                # chase row (state_idx < 0: the host has not read it yet) moves by
+    sampling: SlotSampling | None = None   # the persistent batch: each slot's sampling parameters [S + 1]
+                               # (sampler.SlotSampling), rewritten only where a step's SamplingInput says
 
 
 def fill_pending(segments, last_tokens):
@@ -86,8 +88,10 @@ def _params(params, state: EngineState):
     return with_pool(params, state.lora)
 
 
-def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, mtp_in):
+def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling_in: SamplingInput, prompt_lens,
+         mtp_in):
     """Decode rows and prefill chunks; one sampled token per row (+ MTP drafts)."""
+    columns, sampling = sampling_in.resolve(state.sampling)
     segments = fill_pending(segments, state.last_tokens)
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
     logits, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels,
@@ -104,11 +108,11 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
     return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv,
-                                              **record_sampled(state, sampling, out.tokens, drafts))
+                                              sampling=columns, **record_sampled(state, sampling, out.tokens, drafts))
 
 
-def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling, prompt_lens, drafts, room,
-                mtp_in):
+def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling_in: SamplingInput,
+                prompt_lens, drafts, room, mtp_in):
     """A [B, K] segment of rows feeding (last token, drafts...), optionally followed by a prefill
     segment [Bp, Tp] (a mixed step); PENDING / DRAFT tokens and chase rows are resolved first (`chase`).
     The plain sample at each verify row's position 0 (for rows without drafts: penalties, logprobs)
@@ -116,6 +120,7 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
     the acceptance test at every verify position, and MTP drafts for the next step (from each verify
     row's accepted position). Returns (first: the plain samples, emitted [B, K]: each verify row's
     tokens (its accepted drafts, then the target's; -1 after them), count [B], new drafts or None)."""
+    columns, sampling = sampling_in.resolve(state.sampling)
     seg = segments[0]
     b, k = seg.tokens.shape
     seg, verify_sampling, drafts = chase(state, seg, jax.tree.map(lambda x: x[:b], sampling), drafts, room)
@@ -151,7 +156,7 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
     written = record_sampled(state, sampling, jnp.concatenate([last, first.tokens[b:]]), new_drafts,
                              jnp.concatenate([accepted.astype(jnp.int32), pad]))
     return (first, emitted, accepted + 1, new_drafts), dataclasses.replace(
-        state, model=model, penalties=penalties, draft_kv=draft_kv, **written)
+        state, model=model, penalties=penalties, draft_kv=draft_kv, sampling=columns, **written)
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):

@@ -199,3 +199,28 @@ def test_argmax_is_jnp_argmax(rows, vocab, seed, kind):
     got = np.asarray(jax.jit(argmax)(jnp.asarray(x)))
     np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(x), axis=-1)))
     np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
+def test_sampling_columns_persist_per_slot(default_llm, monkeypatch):
+    """The persistent batch: a slot's sampling parameters reach the device once per sequence, not every step,
+    and the next request in the same slot samples with its own (outputs equal to re-sending every step)."""
+    llm, batch = default_llm, default_llm.runner.batch
+    prompts = random_prompts(llm.cfg.vocab_size, [7, 11], seed=41)
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=4, ignore_eos=True),
+              SamplingParams(max_tokens=10, temperature=0.0, logit_bias={7: 3.0}, ignore_eos=True)]
+    sent, real = [], batch.updates
+    monkeypatch.setattr(batch, "updates", lambda rows, b: (sent.extend(r.slot for r in rows), real(rows, b))[1])
+    before = llm.runner.step_counts.copy()
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    steps = sum(llm.runner.step_counts.values()) - sum(before.values())
+    assert steps >= 10 and len(sent) == 2 and len(set(sent)) == 2           # one update per sequence
+    sent.clear()
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts[::-1], params[::-1])]   # slots swap params
+    assert again[::-1] == first and len(sent) == 2
+    real_sampling = batch.sampling
+
+    def resend(rows, b):
+        batch.forget()
+        return real_sampling(rows, b)
+    monkeypatch.setattr(batch, "sampling", resend)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == first
