@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..batch import StepBatch
-from .sampler import INERT, SamplingInput, SlotSampling
+from .sampler import FLOAT_COLUMNS, INERT, INT_COLUMNS, SamplingInput, SlotSampling
 from .row import RowInput
 from .sampling_params import BIAS_COLUMNS, NO_BIAS
 
@@ -88,20 +88,20 @@ class InputBatch:
 
     def updates(self, rows: list[RowInput], b: int) -> tuple[np.ndarray, SlotSampling]:
         """(update_slot [b], columns [b]) rewriting the slots of `rows`; the other entries drop (slot S + 1)."""
+        slot = np.full((b,), self.num_slots + 1, np.int32)
+        floats = np.tile(np.array([INERT[c] for c in FLOAT_COLUMNS], np.float32), (b, 1))
+        ints = np.tile(np.array([INERT[c] for c in INT_COLUMNS], np.int32), (b, 1))
+        for i, r in enumerate(rows):
+            p = r.params
+            slot[i] = r.slot
+            floats[i] = (p.temperature, p.top_p, p.min_p, p.repetition_penalty, p.presence_penalty,
+                         p.frequency_penalty)
+            ints[i] = (p.top_k, INERT["num_logprobs"] if p.logprobs is None else p.logprobs,
+                       np.uint32(r.seed).view(np.int32), 0)
         filler = RowInput(tokens=[0], start=0, block_table=[], slot=self.num_slots + 1)
-        rows = rows + [filler] * (b - len(rows))
-
-        def col(get, dt):
-            return np.array([get(r) for r in rows], dt)
-        return col(lambda r: r.slot, np.int32), SlotSampling(
-            temperature=col(lambda r: r.params.temperature, np.float32), top_k=col(lambda r: r.params.top_k, np.int32),
-            top_p=col(lambda r: r.params.top_p, np.float32), min_p=col(lambda r: r.params.min_p, np.float32),
-            repetition_penalty=col(lambda r: r.params.repetition_penalty, np.float32),
-            presence_penalty=col(lambda r: r.params.presence_penalty, np.float32),
-            frequency_penalty=col(lambda r: r.params.frequency_penalty, np.float32),
-            num_logprobs=col(lambda r: INERT["num_logprobs"] if r.params.logprobs is None else r.params.logprobs,
-                             np.int32),
-            seed=col(lambda r: r.seed, np.uint32), **bias_columns(rows))
+        bias = bias_columns(rows + [filler] * (b - len(rows)))
+        ints[:, INT_COLUMNS.index("bias_only")] = bias["bias_only"]
+        return slot, SlotSampling(floats, ints, bias["bias_ids"], bias["bias"])
 
     @staticmethod
     def prompt_lens(segments, groups) -> tuple:
@@ -109,29 +109,31 @@ class InputBatch:
         return tuple(np.array([r.prompt_len for r in rows] + [0] * (s.tokens.shape[0] - len(rows)), np.int32)
                      for s, rows in zip(segments, groups))
 
-    def mtp_in(self, segments, groups, sampling_rows):
+    def mtp_in(self, segments, groups, sampling_rows, verify: bool = False):
         """MTP inputs (steps.py): per segment the token after each fed position ([B, T], -1 where it is
-        the token the step emits), and draft_ok per row. None without MTP."""
+        the token the step emits), and draft_ok per row. None without MTP. A verify segment's next tokens
+        come from its acceptance on the device (steps.verify_step): zeros here."""
         if not self.mtp:
             return None
         next_tokens = []
-        for seg, rows in zip(segments, groups):
+        for j, (seg, rows) in enumerate(zip(segments, groups)):
             nt = np.zeros(seg.tokens.shape, np.int32)
-            for i, r in enumerate(rows):
+            for i, r in enumerate(rows if not (verify and j == 0) else ()):
                 nt[i, :len(r.tokens)] = list(r.tokens[1:]) + [r.next_token]
             next_tokens.append(nt)
         ok = np.zeros((sum(s.tokens.shape[0] for s in segments),), bool)
         ok[:len(sampling_rows)] = [r is not None and r.draft_ok for r in sampling_rows]
         return tuple(next_tokens), ok
 
-    def pack(self, groups: tuple[list[RowInput], ...], shape, sampling_rows: list[RowInput | None]) -> tuple:
-        """(segments, sampling, prompt_lens, mtp_in): a step's / verify step's arguments for `groups`
+    def pack(self, groups: tuple[list[RowInput], ...], shape, sampling_rows: list[RowInput | None],
+             verify: bool = False) -> tuple:
+        """(segments, sampling, prompt_lens, mtp_in): a step's / (verify) verify step's arguments for `groups`
         (one row list per segment) padded to `shape`; sampling_rows = every sampling row in order, None
         for a padding row between segments."""
         segments = tuple(self.segment(rows, *seg) for rows, seg in zip(groups, shape))
         b = sum(s.tokens.shape[0] for s in segments)
         return (segments, self.sampling(sampling_rows, b), self.prompt_lens(segments, groups),
-                self.mtp_in(segments, groups, sampling_rows))
+                self.mtp_in(segments, groups, sampling_rows, verify))
 
     # ---- abstract form (warm-up) -----------------------------------------------------------------
     def abstract(self, kind: str, shape) -> tuple:
@@ -151,10 +153,8 @@ class InputBatch:
             return tuple(segment(b, t) for b, t in shape), i32(*shape[0])
         segs = tuple(segment(b, t) for b, t in shape)
         b = sum(bb for bb, _ in shape)
-        f32 = jax.ShapeDtypeStruct((b,), jnp.float32)
-        columns = SlotSampling(f32, i32(b), f32, f32, f32, f32, f32, i32(b), jax.ShapeDtypeStruct((b,), jnp.uint32),
-                               i32(b, BIAS_COLUMNS), jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32),
-                               jax.ShapeDtypeStruct((b,), jnp.bool_))
+        columns = SlotSampling(jax.ShapeDtypeStruct((b, len(FLOAT_COLUMNS)), jnp.float32), i32(b, len(INT_COLUMNS)),
+                               i32(b, BIAS_COLUMNS), jax.ShapeDtypeStruct((b, BIAS_COLUMNS), jnp.float32))
         sampling = SamplingInput(i32(b), i32(b), i32(b), columns)
         mtp = (tuple(i32(*s) for s in shape), jax.ShapeDtypeStruct((b,), jnp.bool_)) if self.mtp else None
         args = (segs, sampling, tuple(i32(bb) for bb, _ in shape))

@@ -94,6 +94,7 @@ class Launched:
     live: list[int]            # sampling rows that are real rows, in `decode + prefill` order
     logprobs: bool             # some row asked for logprobs
     runs: tuple = ()           # verify steps: (emitted [B, K], count [B]) on the device
+    verify_rows: int = 0       # verify steps: the real verify rows (the first of `live`)
 
     def fetch(self) -> dict[str, np.ndarray]:
         """Wait for the step; its outputs as host arrays (ModelRunner.step; verify steps add emitted [rows, K]
@@ -102,8 +103,7 @@ class Launched:
         out = host_outputs(self.sampled, self.live, self.logprobs)
         if self.runs:
             emitted, count = (np.asarray(x) for x in self.runs)
-            n = sum(1 for i in self.live if i < emitted.shape[0])
-            out["emitted"], out["count"] = emitted[:n], count[:n]
+            out["emitted"], out["count"] = emitted[:self.verify_rows], count[:self.verify_rows]
         return out
 
 
@@ -253,13 +253,13 @@ class ModelRunner:
             room_col[i] = len(d) if room is None else room[i]
         sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
         segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
-                                                                  sampling_rows)
+                                                                  sampling_rows, verify=True)
         first, emitted, count, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col, mtp_in)
         self.batch.commit()
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         return Launched(self, first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)),
-                        (emitted, count))
+                        (emitted, count), len(rows))
 
     def device_drafts(self, slot: int) -> np.ndarray:
         """MTP: the drafts slot's last step made, waiting on the device for its next verify row."""

@@ -46,25 +46,24 @@ class SamplingBatch:
     bias_only: jax.Array           # [B] bool: every token not in bias_ids is banned (allowed_token_ids)
 
 
+FLOAT_COLUMNS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+INT_COLUMNS = ("top_k", "num_logprobs", "seed", "bias_only")   # seed: its uint32 bits; bias_only: 0 / 1
+INERT = dict(temperature=0.0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+             frequency_penalty=0.0, top_k=0, num_logprobs=-1, seed=0, bias_only=0)   # bias_ids: NO_BIAS, bias: 0
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotSampling:
     """Sampling parameters per slot: the persistent batch's columns (EngineState.sampling, [S + 1]; row S holds
     the padding rows' inert defaults) or the slots a step rewrites ([U] beside their slot ids). A row's
     SamplingBatch is gathered from its slot's row; the host sends a slot's parameters only when the
-    sequence holding it (or its logit adjustments) changed (input_batch.py)."""
-    temperature: jax.Array
-    top_k: jax.Array
-    top_p: jax.Array
-    min_p: jax.Array
-    repetition_penalty: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    num_logprobs: jax.Array
-    seed: jax.Array
-    bias_ids: jax.Array
-    bias: jax.Array
-    bias_only: jax.Array
+    sequence holding it (or its logit adjustments) changed (input_batch.py). Four arrays, so a step adds
+    four scatters and four gathers."""
+    floats: jax.Array          # [N, len(FLOAT_COLUMNS)] f32
+    ints: jax.Array            # [N, len(INT_COLUMNS)] i32
+    bias_ids: jax.Array        # [N, BIAS_COLUMNS] i32
+    bias: jax.Array            # [N, BIAS_COLUMNS] f32
 
 
 @jax.tree_util.register_dataclass
@@ -78,24 +77,32 @@ class SamplingInput:
 
     def resolve(self, columns: SlotSampling) -> tuple[SlotSampling, SamplingBatch]:
         """(the columns after this step's updates, the rows' SamplingBatch gathered from them)."""
-        columns = jax.tree.map(lambda c, u: c.at[self.update_slot].set(u, mode="drop"), columns, self.update)
-        idx = jnp.minimum(self.slot, columns.temperature.shape[0] - 1)
-        rows = {f.name: getattr(columns, f.name)[idx] for f in dataclasses.fields(SlotSampling)}
-        return columns, SamplingBatch(**rows, step=self.step, slot=self.slot)
-
-
-INERT = dict(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0, presence_penalty=0.0,
-             frequency_penalty=0.0, num_logprobs=-1, seed=0, bias=0.0, bias_only=False)   # bias_ids: NO_BIAS
+        write = lambda cols, slot, upd: jax.tree.map(lambda c, u: c.at[slot].set(u, mode="drop"), cols, upd)
+        n = columns.floats.shape[0]
+        columns = jax.lax.cond(jnp.any(self.update_slot < n), write, lambda c, s, u: c, columns, self.update_slot,
+                               self.update)
+        idx = jnp.minimum(self.slot, n - 1)
+        floats, ints = columns.floats[idx], columns.ints[idx]
+        rows = {name: floats[:, i] for i, name in enumerate(FLOAT_COLUMNS)}
+        rows.update({name: ints[:, i] for i, name in enumerate(INT_COLUMNS)})
+        rows["seed"] = jax.lax.bitcast_convert_type(rows["seed"], jnp.uint32)
+        rows["bias_only"] = rows["bias_only"] != 0
+        return columns, SamplingBatch(**rows, bias_ids=columns.bias_ids[idx], bias=columns.bias[idx], step=self.step,
+                                      slot=self.slot)
 
 
 def init_slot_sampling(num_slots: int, bias_columns: int) -> SlotSampling:
     """Every slot (and the padding row num_slots) at the inert defaults: greedy, no filters, no logprobs."""
     n = num_slots + 1
-    cols = {k: jnp.full((n,), v, jnp.float32 if isinstance(v, float) else jnp.bool_ if isinstance(v, bool)
-                        else jnp.int32) for k, v in INERT.items() if k != "bias"}
-    cols["seed"] = jnp.zeros((n,), jnp.uint32)
-    return SlotSampling(**cols, bias_ids=jnp.full((n, bias_columns), NO_BIAS, jnp.int32),
-                        bias=jnp.zeros((n, bias_columns), jnp.float32))
+    return SlotSampling(jnp.tile(jnp.array([INERT[c] for c in FLOAT_COLUMNS], jnp.float32), (n, 1)),
+                        jnp.tile(jnp.array([INERT[c] for c in INT_COLUMNS], jnp.int32), (n, 1)),
+                        jnp.full((n, bias_columns), NO_BIAS, jnp.int32), jnp.zeros((n, bias_columns), jnp.float32))
+
+
+def slot_sampling_bytes(bias_columns: int) -> int:
+    """Device bytes of one slot's row of the persistent batch's columns."""
+    one = jax.eval_shape(lambda: init_slot_sampling(0, bias_columns))
+    return sum(x.dtype.itemsize * (x.size // x.shape[0]) for x in jax.tree.leaves(one))
 
 
 @jax.tree_util.register_dataclass

@@ -9,6 +9,8 @@ import jax
 
 from ..config import ModelConfig
 from ..state.cache import state_bytes
+from .sampler import slot_sampling_bytes
+from .sampling_params import BIAS_COLUMNS
 
 log = logging.getLogger("atlas_jax.engine")
 
@@ -38,9 +40,9 @@ def free_memory_bytes(device=None) -> int:
 def default_max_num_seqs(cfg: ModelConfig, dtype, page_size: int, max_model_len: int, num_pages: int | None,
                          state_positions: int = 1, free_bytes: int | None = None, platform: str | None = None) -> int:
     """As many running sequences as their state fits in a fraction of free memory, capped (SEQ_CAP): each
-    takes a recurrent-state slot (state_positions deep), a penalty-history row, its last sampled token and, when the KV pool is
-    sized from max_num_seqs (num_pages None), max_model_len tokens of KV pages; with a given pool, at most
-    one sequence per page."""
+    takes a recurrent-state slot (state_positions deep), a penalty-history row, its last sampled token, its
+    sampling columns and, when the KV pool is sized from max_num_seqs (num_pages None), max_model_len tokens of
+    KV pages; with a given pool, at most one sequence per page."""
     platform = platform or jax.default_backend()
     cap = SEQ_CAP.get(platform, ACCELERATOR_SEQ_CAP)
     free = free_memory_bytes() if free_bytes is None else free_bytes
@@ -48,7 +50,7 @@ def default_max_num_seqs(cfg: ModelConfig, dtype, page_size: int, max_model_len:
     pages = 0 if num_pages is not None else -(-max_model_len // page_size)
     slot = state_bytes(cfg, 1, page_size, 2, dtype, state_positions) - state_bytes(cfg, 1, page_size, 1, dtype,
                                                                                     state_positions)
-    per_seq = slot + 5 * cfg.vocab_size + 4 + pages * (state_bytes(cfg, 2, page_size, 1, dtype) -
+    per_seq = slot + 5 * cfg.vocab_size + 4 + slot_sampling_bytes(BIAS_COLUMNS) + pages * (state_bytes(cfg, 2, page_size, 1, dtype) -
                                                    state_bytes(cfg, 1, page_size, 1, dtype))
     n = max(1, min(cap, int(budget // max(per_seq, 1)), num_pages or cap))
     log.info("max_num_seqs %d (%.1f MiB a sequence, %.1f GiB free, cap %d on %s)", n, per_seq / 2**20,
