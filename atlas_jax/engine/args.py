@@ -21,6 +21,8 @@ class EngineArgs:
     dtype: str = _knob("auto", "auto (bf16 on accelerators, fp32 on CPU), bfloat16, float32")
     kernels: str = _knob("auto", "attention / GDN / MoE implementation: auto (Pallas on GPU, C++ custom calls on CPU), xla, pallas",
                          choices=KERNELS)
+    tensor_parallel_size: int = _knob(1, "devices the model is split over (heads, intermediate dims, vocabulary: "
+                                      "parallel/sharding.py); > 1 runs the pure-XLA layers", flag="--tensor-parallel-size")
     page_size: int = _knob(16, "tokens per KV page")
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
     kv_cache_memory: float | None = _knob(None, "KV pool size in GiB, instead of num-pages (default: num-pages' "

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
+from ..parallel.sharding import check_divides
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
@@ -51,6 +54,7 @@ class EngineConfig:
     seed: int
     async_scheduling: bool = True    # (where it applies: EngineCore._overlaps)
     mtp_layers: int = 0              # the checkpoint's MTP layers as loaded (param_specs' count; 0: no head)
+    tensor_parallel_size: int = 1    # devices of the ("tp",) mesh (parallel/sharding.py)
 
     def param_specs(self):
         """The loaded params' typed description (models/layout.py ParamSpec per leaf)."""
@@ -78,6 +82,15 @@ class EngineConfig:
             v = getattr(a, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        tp = a.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
+        if tp > 1:
+            check_divides(cfg, tp)
+            if tp > jax.device_count():
+                raise ValueError(f"tensor_parallel_size {tp} needs that many devices; {jax.device_count()} are visible")
+            if kernels.cpu or kernels.pallas:
+                raise ValueError("tensor_parallel_size > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
         spec = SpeculativeConfig.parse(a.speculative)
         max_model_len = a.max_model_len or min(cfg.max_position_embeddings, 4096)
         num_pages = a.num_pages
@@ -101,4 +114,4 @@ class EngineConfig:
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
         return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
-                   mtp_layers)
+                   mtp_layers, tp)

@@ -52,7 +52,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, progress: bool = True, **engine_args):
         self.args = a = EngineArgs(model=model, **engine_args)
-        self.kernels = resolve_kernels(a.kernels)
+        # the CPU custom calls and Pallas kernels are not partitioned: a split model runs the pure-XLA layers
+        self.kernels = resolve_kernels("xla" if a.tensor_parallel_size != 1 and a.kernels == "auto" else a.kernels)
         enable_compile_cache(default_compile_cache_dir() if a.compile_cache_dir is None else a.compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path

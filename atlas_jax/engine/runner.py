@@ -31,6 +31,7 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
+from ..parallel.sharding import abstract_sharded, make_mesh, replicated, shard_params
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
@@ -60,10 +61,10 @@ def prepared_params(params, specs, kernels):
     return pack_linears(params, paths_with(specs, "proj", "head") + heads, kernels)
 
 
-def served_params(config, params, mtp_token_ids=None):
+def served_params(config, params, mtp_token_ids=None, mesh=None):
     """(the params the steps use, their abstract form derived from the param specs alone). Both are checked:
     the loaded params against the specs, the prepared ones against the abstract form the executables are
-    lowered from (ValueError naming the first leaf that differs)."""
+    lowered from (ValueError naming the first leaf that differs). With a mesh: placed by the sharding rules."""
     specs = config.param_specs()
     check_params(params, abstract_params(specs, config.dtype))
 
@@ -74,7 +75,17 @@ def served_params(config, params, mtp_token_ids=None):
     abstract = jax.eval_shape(prepare, abstract_params(specs, config.dtype))
     served = prepare(params)
     check_params(served, abstract)
+    if mesh is not None:
+        return shard_params(served, specs, mesh), abstract_sharded(abstract, specs, mesh)
     return served, abstract
+
+
+def _keeping_state(fn, sharding):
+    """fn whose returned state is constrained to `sharding` (what the next step's executable is compiled for)."""
+    def run(params, state, *args):
+        out, new = fn(params, state, *args)
+        return out, jax.lax.with_sharding_constraint(new, sharding)
+    return functools.wraps(fn)(run) if hasattr(fn, "__name__") else run
 
 
 def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
@@ -115,7 +126,8 @@ class ModelRunner:
         cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
         mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
-        self.params, abstract = served_params(config, params, mtp_token_ids)
+        self.mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self.params, abstract = served_params(config, params, mtp_token_ids, self.mesh)
         self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size
         self.num_slots, self.max_pages_per_seq = c.num_slots, c.max_pages_per_seq
         s = config.scheduler
@@ -132,14 +144,16 @@ class ModelRunner:
                                  jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
                                  jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
                                  init_slot_sampling(c.num_slots, BIAS_COLUMNS))
+        if self.mesh is not None:                    # the state replicated over the mesh (sharding it: next)
+            self.state = jax.device_put(self.state, replicated(self.mesh))
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
-        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1), abstract, self.state)
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.mesh), abstract, self.state)
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
-    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int) -> dict:
+    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, mesh=None) -> dict:
         """kind -> jit(fn(params, state, *args)) with the state donated."""
         part = functools.partial
         fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
@@ -149,6 +163,8 @@ class ModelRunner:
                "save_pages": steps.save_pages, "save_slot": steps.save_slot, "restore_pages": steps.restore_pages,
                "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
                "adapter": steps.load_adapter}
+        if mesh is not None:                        # the state keeps its placement from step to step
+            fns = {kind: _keeping_state(fn, replicated(mesh)) for kind, fn in fns.items()}
         return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
 
     def _init_lora_pool(self, lora, dtype) -> dict:

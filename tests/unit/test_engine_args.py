@@ -84,3 +84,13 @@ def test_engine_config_refuses_non_positive_sizes(tiny_model_path, name, value):
     """EngineConfig.create validates every size knob before anything is allocated, naming it."""
     with pytest.raises(ValueError, match=f"{name} must be a positive integer"):
         LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", **{name: value})
+
+
+@pytest.mark.parametrize("tp,message", [(0, "tensor_parallel_size must be a positive integer"),
+                                        (3, "num_attention_heads = 4 is not divisible by tensor_parallel_size 3"),
+                                        (2, "tensor_parallel_size 2 needs that many devices; 1 are visible")])
+def test_tensor_parallel_size_is_checked(tiny_model_path, tp, message):
+    """A mesh the model's head / vocabulary counts do not divide, or more devices than there are, is refused
+    before anything is allocated, naming the field (the split itself: tests/engine/test_tensor_parallel.py)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", tensor_parallel_size=tp)

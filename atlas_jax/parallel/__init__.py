@@ -1,0 +1,1 @@
+"""Scale-out: the device mesh and the sharding rules (sharding.py)."""

@@ -1,0 +1,96 @@
+"""One table of sharding rules: each logical axis of a param (models/layout.py ParamSpec.axes) -> a mesh axis.
+
+The mesh is ("tp",) for tensor parallelism. Layers stay pure functions: a step is compiled with its params
+(and state) placed by these rules and XLA's SPMD partitioner inserts the collectives, so a rule decides how
+much is communicated, never what is computed (a replicated axis is always correct). Rules (jax-llm-examples'
+ShardingRules, sglang-jax's kernel axes):
+
+  vocab, heads, kv_heads, mlp, expert_mlp        -> tp   (embedding / lm_head vocab-parallel, attention heads,
+                                                          dense and expert intermediate dims)
+  gdn_qkvz, gdn_ba, gdn_value, gdn_heads         -> tp   (Qwen3-Next's projections are grouped per key head,
+  mamba_heads, mamba_inner                              the value side per value head)
+  everything else                                -> replicated: hidden, norms, the router, and the sectioned
+                                                    axes (gdn_qkv, gdn_conv, mamba_in, mamba_conv: q | k | v or
+                                                    z | xBC | dt laid end to end, so a contiguous split would
+                                                    cut sections; they need a per-section permutation first)
+
+A dimension is split only when the mesh axis size divides it; `check_divides` refuses, naming the config
+field, the head and vocabulary counts that must divide tp.
+"""
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+TP = "tp"
+RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
+                               "gdn_heads", "mamba_heads", "mamba_inner")}
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A ("tp",) mesh over the first tensor_parallel_size devices."""
+    devices = list(devices if devices is not None else jax.devices())
+    if not 1 <= tensor_parallel_size <= len(devices):
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs that many devices; "
+                         f"{len(devices)} are visible")
+    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+
+
+def check_divides(cfg, tp: int) -> None:
+    """ValueError naming the field when a count the rules split over tp does not divide (KV heads may be fewer
+    than tp: they are then replicated, as sglang-jax does)."""
+    fields = {"num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size}
+    if cfg.num_kv_heads >= tp:
+        fields["num_key_value_heads"] = cfg.num_kv_heads
+    if cfg.recurrent_layers and cfg.linear_num_key_heads:
+        fields["linear_num_key_heads"] = cfg.linear_num_key_heads
+        fields["linear_num_value_heads"] = cfg.linear_num_value_heads
+    if cfg.mamba_num_heads:
+        fields["mamba_num_heads"] = cfg.mamba_num_heads
+    for name, n in fields.items():
+        if n % tp:
+            raise ValueError(f"{name} = {n} is not divisible by tensor_parallel_size {tp}")
+
+
+def partition(spec, mesh: Mesh, rules=RULES) -> P:
+    """The PartitionSpec of one param: each axis by the rules where the mesh axis divides its size, each mesh
+    axis used once (the first dimension that asks for it)."""
+    used, out = set(), []
+    for axis, size in zip(spec.axes, spec.shape):
+        target = rules.get(axis)
+        if target is None or target in used or size % mesh.shape[target]:
+            out.append(None)
+        else:
+            used.add(target)
+            out.append(target)
+    return P(*out)
+
+
+def param_shardings(specs, mesh: Mesh, rules=RULES) -> dict:
+    """{param path: NamedSharding} for every spec."""
+    return {spec.path: NamedSharding(mesh, partition(spec, mesh, rules)) for spec in specs}
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def shard_params(params, specs, mesh: Mesh, rules=RULES):
+    """params placed on the mesh by the rules (a leaf without a spec, e.g. the MTP draft vocabulary: replicated)."""
+    shardings = param_shardings(specs, mesh, rules)
+    flat, tree = jax.tree_util.tree_flatten_with_path(params)
+    return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, shardings.get(_path(k), replicated(mesh)))
+                                               for k, x in flat])
+
+
+def abstract_sharded(abstract, specs, mesh: Mesh, rules=RULES):
+    """The abstract params (ShapeDtypeStructs) with the shardings `shard_params` gives them."""
+    shardings = param_shardings(specs, mesh, rules)
+    return jax.tree_util.tree_map_with_path(
+        lambda k, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings.get(_path(k), replicated(mesh))),
+        abstract)
+
+
+def _path(keys) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys)

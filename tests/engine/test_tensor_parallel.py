@@ -1,0 +1,78 @@
+"""Tensor parallel on 4 virtual CPU devices (a child process: the device count is fixed when jax starts):
+greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next and Nemotron-H, the params
+really split by the sharding rules (each split leaf's shard holds 1 / tp of it), no compile after warm-up."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+WORKER = r"""
+import json, os, sys
+import jax
+jax.config.update("jax_num_cpu_devices", 4)
+sys.path.insert(0, os.environ["TESTS_DIR"])
+import numpy as np
+from atlas_jax import LLM, SamplingParams
+from atlas_jax.default_model import TINY_RANDOM_CONFIG, write_random_checkpoint
+from atlas_jax.parallel.sharding import partition
+
+root = sys.argv[1]
+qwen = os.path.join(root, "qwen3_next")
+write_random_checkpoint(qwen, {**TINY_RANDOM_CONFIG, "vocab_size": 512, "eos_token_id": 0, "linear_num_key_heads": 4,
+                               "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16})
+import hf_models
+nemo = os.path.join(root, "nemotron_h")
+hf_models.make_nemotron_h(nemo, blocks="M*E-", heads=4, kv_heads=2, mamba_heads=8, groups=2)
+kw = dict(kernels="xla", max_num_seqs=2, max_model_len=64, max_prefill_chunk=16, page_size=8, progress=False,
+          compile_cache_dir="")
+greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
+out = {}
+for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
+    for tp in (1, 2, 4):
+        llm = LLM(path, tensor_parallel_size=tp, warmup=(tp == 2), **kw)
+        compiles = llm.num_compiles
+        tokens = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4, 5], [9, 8, 7]], greedy)]
+        tokens += [llm.generate([3, 1, 4, 1, 5, 9, 2, 6], seeded)[0].outputs[0].token_ids]
+        split = []       # (param path, shard bytes * tp == bytes) for every leaf the rules split
+        specs = {s.path: s for s in llm.engine.config.param_specs()}
+        flat = jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
+        own = total = 0
+        for keys, x in flat:
+            leaf = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
+            total += x.nbytes
+            own += x.addressable_shards[0].data.nbytes
+            if tp > 1 and leaf in specs and any(partition(specs[leaf], llm.runner.mesh)):
+                split.append([str(leaf), x.addressable_shards[0].data.nbytes * tp == x.nbytes])
+        out[f"{name}/{tp}"] = {"tokens": tokens, "split": split, "per_device": own / total,
+                               "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
+        del llm
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    env = {**os.environ, "TESTS_DIR": os.path.dirname(os.path.dirname(__file__)), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path_factory.mktemp("tp"))], env=env,
+                          capture_output=True, text=True, timeout=1200)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_tokens_equal_one_device(results, family):
+    one = results[f"{family}/1"]["tokens"]
+    assert results[f"{family}/2"]["tokens"] == one and results[f"{family}/4"]["tokens"] == one
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_params_are_split(results, family):
+    for tp in (2, 4):
+        r = results[f"{family}/{tp}"]
+        assert len(r["split"]) > 10 and all(ok for _, ok in r["split"]), r["split"]
+        assert r["per_device"] < {2: 0.75, 4: 0.6}[tp], r["per_device"]          # most of the bytes are split
+    assert results[f"{family}/2"]["compiles_after_warmup"] == 0
