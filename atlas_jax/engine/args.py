@@ -68,8 +68,8 @@ class EngineArgs:
             flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
             kind = hints[f.name]
             base = next((t for t in typing.get_args(kind) if t is not type(None)), kind)
-            text = f.metadata["help"]
-            kw = dict(dest=f.name, default=f.default, help=text if "default" in text else f"{text} (default: {f.default})")
+            text = f.metadata["help"] if "default" in f.metadata["help"] else f"{f.metadata['help']} (default: {f.default})"
+            kw = dict(dest=f.name, default=f.default, help=text.replace("%", "%%"))     # argparse %-formats help
             if base is bool:
                 kw["action"] = argparse.BooleanOptionalAction
             elif base is dict:

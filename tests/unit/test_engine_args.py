@@ -94,3 +94,15 @@ def test_tensor_parallel_size_is_checked(tiny_model_path, tp, message):
     before anything is allocated, naming the field (the split itself: tests/engine/test_tensor_parallel.py)."""
     with pytest.raises(ValueError, match=message):
         LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", tensor_parallel_size=tp)
+
+
+@pytest.mark.parametrize("cli", ["atlas_jax.serve", "atlas_jax.generate"])
+def test_help_lists_every_engine_flag(cli):
+    """--help renders (a help text with '%' once crashed argparse) and names every EngineArgs flag."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", cli, "--help"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for f in dataclasses.fields(EngineArgs):
+        flag = f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+        assert flag in out.stdout or f.name == "model", flag
