@@ -31,7 +31,7 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
-from ..parallel.sharding import abstract_sharded, make_mesh, replicated, shard_params
+from ..parallel.sharding import abstract_sharded, make_mesh, shard_params, state_shardings
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
@@ -144,16 +144,18 @@ class ModelRunner:
                                  jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
                                  jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
                                  init_slot_sampling(c.num_slots, BIAS_COLUMNS))
-        if self.mesh is not None:                    # the state replicated over the mesh (sharding it: next)
-            self.state = jax.device_put(self.state, replicated(self.mesh))
+        self.state_sharding = None if self.mesh is None else state_shardings(self.state, self.mesh)
+        if self.mesh is not None:                    # split by heads where the rules say (parallel/sharding.py)
+            self.state = jax.device_put(self.state, self.state_sharding)
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
-        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.mesh), abstract, self.state)
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding),
+                                abstract, self.state)
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
-    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, mesh=None) -> dict:
+    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None) -> dict:
         """kind -> jit(fn(params, state, *args)) with the state donated."""
         part = functools.partial
         fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
@@ -163,8 +165,8 @@ class ModelRunner:
                "save_pages": steps.save_pages, "save_slot": steps.save_slot, "restore_pages": steps.restore_pages,
                "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
                "adapter": steps.load_adapter}
-        if mesh is not None:                        # the state keeps its placement from step to step
-            fns = {kind: _keeping_state(fn, replicated(mesh)) for kind, fn in fns.items()}
+        if state_sharding is not None:              # the state keeps its placement from step to step
+            fns = {kind: _keeping_state(fn, state_sharding) for kind, fn in fns.items()}
         return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
 
     def _init_lora_pool(self, lora, dtype) -> dict:

@@ -14,10 +14,16 @@ ShardingRules, sglang-jax's kernel axes):
                                                     z | xBC | dt laid end to end, so a contiguous split would
                                                     cut sections; they need a per-section permutation first)
 
+The state follows the same heads: KV pages [P, page, KV heads, D] (the MTP head's too) by KV head, recurrent h
+pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; conv windows (sectioned channels), penalty
+history, sampling columns, LoRA pools replicated (`state_shardings`).
+
 A dimension is split only when the mesh axis size divides it; `check_divides` refuses, naming the config
 field, the head and vocabulary counts that must divide tp.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -94,3 +100,17 @@ def abstract_sharded(abstract, specs, mesh: Mesh, rules=RULES):
 
 def _path(keys) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys)
+
+
+def state_shardings(state, mesh: Mesh):
+    """An EngineState-shaped tree of NamedShardings (module doc): what the state is placed with and kept at."""
+    tp, rep = mesh.shape[TP], replicated(mesh)
+
+    def heads(x, axis: int):
+        return NamedSharding(mesh, P(*[None] * axis, TP)) if x.shape[axis] % tp == 0 else rep
+    kv = lambda pools: tuple((heads(k, 2), heads(v, 2)) for k, v in pools)
+    out = jax.tree.map(lambda _: rep, state)
+    model = dataclasses.replace(out.model, kv=kv(state.model.kv),
+                                ssm=tuple((heads(h, 2), rep) for h, _ in state.model.ssm))
+    return dataclasses.replace(out, model=model, draft_kv=kv(state.draft_kv),
+                               snapshots=tuple((heads(h, 1), rep) for h, _ in state.snapshots))

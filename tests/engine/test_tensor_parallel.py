@@ -1,6 +1,6 @@
 """Tensor parallel on 4 virtual CPU devices (a child process: the device count is fixed when jax starts):
-greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next and Nemotron-H, the params
-really split by the sharding rules (each split leaf's shard holds 1 / tp of it), no compile after warm-up."""
+greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next and Nemotron-H, the params and
+state really split by the sharding rules (each split leaf's shard holds 1 / tp of it), no compile after warm-up."""
 import json
 import os
 import subprocess
@@ -46,9 +46,27 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
             own += x.addressable_shards[0].data.nbytes
             if tp > 1 and leaf in specs and any(partition(specs[leaf], llm.runner.mesh)):
                 split.append([str(leaf), x.addressable_shards[0].data.nbytes * tp == x.nbytes])
-        out[f"{name}/{tp}"] = {"tokens": tokens, "split": split, "per_device": own / total,
+        leaves = jax.tree.leaves(llm.runner.state)
+        state = sum(x.addressable_shards[0].data.nbytes for x in leaves) / sum(x.nbytes for x in leaves)
+        out[f"{name}/{tp}"] = {"tokens": tokens, "split": split, "per_device": own / total, "state": state,
                                "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
         del llm
+# the shipped model with its MTP head drafting: prefix caching (a second turn: prompt + reply + more hits), then
+# swap preemption (two rows growing in a 9-page pool: one is swapped out and back)
+prompt = [5, 17, 99, 3, 250, 12, 7, 64, 31, 8, 144, 2, 77, 301, 45, 9, 600, 21, 4, 88]
+mtp = {"method": "mtp", "num_drafts": 2}
+for tp in (1, 2):
+    llm = LLM(tensor_parallel_size=tp, speculative=mtp, enable_prefix_caching=True, warmup=False, **kw)
+    runs = [llm.generate(prompt, greedy)[0].outputs[0].token_ids]
+    runs.append(llm.generate(prompt + runs[0] + [1, 2, 3], greedy)[0].outputs[0].token_ids)   # the next turn
+    hit, accepted = llm.prefix_cache_stats()["hit_tokens"], llm.spec_stats()["accepted"]
+    del llm
+    llm = LLM(tensor_parallel_size=tp, speculative=mtp, warmup=False, **{**kw, "num_pages": 9})
+    runs += [o.outputs[0].token_ids for o in llm.generate([prompt[:8], prompt[8:16]], SamplingParams(
+        max_tokens=40, temperature=0.0, ignore_eos=True))]
+    out[f"mtp_prefix_swap/{tp}"] = {"tokens": runs, "hit": hit, "accepted": accepted,
+                                    "preempted": sum(llm.engine.stats()["num_preemptions"].values())}
+    del llm
 print("RESULT " + json.dumps(out))
 """
 
@@ -75,4 +93,12 @@ def test_params_are_split(results, family):
         r = results[f"{family}/{tp}"]
         assert len(r["split"]) > 10 and all(ok for _, ok in r["split"]), r["split"]
         assert r["per_device"] < {2: 0.75, 4: 0.6}[tp], r["per_device"]          # most of the bytes are split
+        assert r["state"] < {2: 0.7, 4: 0.9}[tp], r["state"]       # KV pages and h pools by head (KV heads 2:
+                                                                    # replicated at tp 4)
     assert results[f"{family}/2"]["compiles_after_warmup"] == 0
+
+
+def test_mtp_prefix_cache_and_swap_under_tp(results):
+    one, two = results["mtp_prefix_swap/1"], results["mtp_prefix_swap/2"]
+    assert two["tokens"] == one["tokens"] and one["hit"] == two["hit"]
+    assert two["hit"] > 0 and two["accepted"] > 0 and two["preempted"] > 0, two
