@@ -85,7 +85,7 @@ def _keeping_state(fn, sharding):
     def run(params, state, *args):
         out, new = fn(params, state, *args)
         return out, jax.lax.with_sharding_constraint(new, sharding)
-    return functools.wraps(fn)(run) if hasattr(fn, "__name__") else run
+    return run
 
 
 def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
