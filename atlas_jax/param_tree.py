@@ -15,6 +15,11 @@ def get_path(tree, path: tuple):
     return tree
 
 
+def path_of(keys) -> tuple:
+    """A jax key path (tree_flatten_with_path) as a param path: ('layers', 3, 'attn', 'q')."""
+    return tuple(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))) for k in keys)
+
+
 def replace_at(tree, paths, fn):
     """tree with the node at each path (a leaf or a subtree) replaced by fn(node); the dicts and lists on the
     way down are copied, every other node is the same object."""

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
-from ..parallel.sharding import check_divides
+from ..parallel.sharding import check_devices, check_divides
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
@@ -78,17 +76,14 @@ class EngineConfig:
     def create(cls, args: EngineArgs, cfg: ModelConfig, dtype, kernels: Kernels, mtp_layers: int = 0) -> "EngineConfig":
         a = args
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_chunk", "max_prefill_rows",
-                     "max_num_batched_tokens", "num_pages"):
+                     "max_num_batched_tokens", "num_pages", "tensor_parallel_size"):
             v = getattr(a, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         tp = a.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive integer, got {tp!r}")
         if tp > 1:
             check_divides(cfg, tp)
-            if tp > jax.device_count():
-                raise ValueError(f"tensor_parallel_size {tp} needs that many devices; {jax.device_count()} are visible")
+            check_devices(tp)
             if kernels.cpu or kernels.pallas:
                 raise ValueError("tensor_parallel_size > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
         spec = SpeculativeConfig.parse(a.speculative)

@@ -23,8 +23,12 @@ def pages_for_memory(cfg: ModelConfig, dtype, page_size: int, gib: float) -> int
     """KV pages of `page_size` tokens that fit in `gib` GiB for this model (at least one)."""
     if not gib > 0:
         raise ValueError(f"kv_cache_memory must be a positive number of GiB, got {gib!r}")
-    per_page = state_bytes(cfg, 2, page_size, 1, dtype) - state_bytes(cfg, 1, page_size, 1, dtype)
-    return max(1, int(gib * 2**30 // max(per_page, 1)))
+    return max(1, int(gib * 2**30 // max(page_bytes(cfg, dtype, page_size), 1)))
+
+
+def page_bytes(cfg: ModelConfig, dtype, page_size: int) -> int:
+    """Device bytes of one KV page (every attention layer's K and V)."""
+    return state_bytes(cfg, 2, page_size, 1, dtype) - state_bytes(cfg, 1, page_size, 1, dtype)
 
 
 def free_memory_bytes(device=None) -> int:
@@ -50,8 +54,8 @@ def default_max_num_seqs(cfg: ModelConfig, dtype, page_size: int, max_model_len:
     pages = 0 if num_pages is not None else -(-max_model_len // page_size)
     slot = state_bytes(cfg, 1, page_size, 2, dtype, state_positions) - state_bytes(cfg, 1, page_size, 1, dtype,
                                                                                     state_positions)
-    per_seq = slot + 5 * cfg.vocab_size + 4 + slot_sampling_bytes(BIAS_COLUMNS) + pages * (state_bytes(cfg, 2, page_size, 1, dtype) -
-                                                   state_bytes(cfg, 1, page_size, 1, dtype))
+    per_seq = (slot + 5 * cfg.vocab_size + 4 + slot_sampling_bytes(BIAS_COLUMNS)
+               + pages * page_bytes(cfg, dtype, page_size))
     n = max(1, min(cap, int(budget // max(per_seq, 1)), num_pages or cap))
     log.info("max_num_seqs %d (%.1f MiB a sequence, %.1f GiB free, cap %d on %s)", n, per_seq / 2**20,
              free / 2**30, cap, platform)

@@ -26,7 +26,7 @@ import dataclasses
 import numpy as np
 
 from ..config import ModelConfig
-from ..param_tree import as_lists, get_path, set_path  # noqa: F401 (the loaders' helpers)
+from ..param_tree import as_lists, get_path, path_of, set_path  # noqa: F401 (the loaders' helpers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ def check_params(params, like) -> None:
     """ValueError naming (as a dotted path, e.g. layers.3.attn.q) the first leaf where params (arrays) and `like`
     (their abstract form) differ in tree structure, shape or dtype."""
     import jax
-    name = lambda path: ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+    name = lambda keys: ".".join(map(str, path_of(keys)))
     flat, tree = jax.tree_util.tree_flatten_with_path(params)
     want, want_tree = jax.tree_util.tree_flatten_with_path(like)
     if tree != want_tree:

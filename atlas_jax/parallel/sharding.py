@@ -29,18 +29,25 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from ..param_tree import path_of
+
 TP = "tp"
 RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
                                "gdn_heads", "mamba_heads", "mamba_inner")}
 
 
-def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
-    """A ("tp",) mesh over the first tensor_parallel_size devices."""
+def check_devices(tensor_parallel_size: int, devices=None) -> list:
+    """The devices a tensor_parallel_size mesh takes (the first ones); ValueError when there are too few."""
     devices = list(devices if devices is not None else jax.devices())
-    if not 1 <= tensor_parallel_size <= len(devices):
+    if tensor_parallel_size > len(devices):
         raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs that many devices; "
                          f"{len(devices)} are visible")
-    return Mesh(np.array(devices[:tensor_parallel_size]), (TP,))
+    return devices[:tensor_parallel_size]
+
+
+def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
+    """A ("tp",) mesh over the first tensor_parallel_size devices."""
+    return Mesh(np.array(check_devices(tensor_parallel_size, devices)), (TP,))
 
 
 def check_divides(cfg, tp: int) -> None:
@@ -82,24 +89,22 @@ def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def shard_params(params, specs, mesh: Mesh, rules=RULES):
-    """params placed on the mesh by the rules (a leaf without a spec, e.g. the MTP draft vocabulary: replicated)."""
+def leaf_shardings(params, specs, mesh: Mesh, rules=RULES):
+    """A params-shaped tree of NamedShardings by the rules (a leaf without a spec, e.g. the MTP draft vocabulary:
+    replicated)."""
     shardings = param_shardings(specs, mesh, rules)
-    flat, tree = jax.tree_util.tree_flatten_with_path(params)
-    return jax.tree_util.tree_unflatten(tree, [jax.device_put(x, shardings.get(_path(k), replicated(mesh)))
-                                               for k, x in flat])
+    return jax.tree_util.tree_map_with_path(lambda k, _: shardings.get(path_of(k), replicated(mesh)), params)
+
+
+def shard_params(params, specs, mesh: Mesh, rules=RULES):
+    """params placed on the mesh by the rules."""
+    return jax.device_put(params, leaf_shardings(params, specs, mesh, rules))
 
 
 def abstract_sharded(abstract, specs, mesh: Mesh, rules=RULES):
     """The abstract params (ShapeDtypeStructs) with the shardings `shard_params` gives them."""
-    shardings = param_shardings(specs, mesh, rules)
-    return jax.tree_util.tree_map_with_path(
-        lambda k, a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=shardings.get(_path(k), replicated(mesh))),
-        abstract)
-
-
-def _path(keys) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys)
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
+                        leaf_shardings(abstract, specs, mesh, rules))
 
 
 def state_shardings(state, mesh: Mesh):

@@ -16,6 +16,7 @@ sys.path.insert(0, os.environ["TESTS_DIR"])
 import numpy as np
 from atlas_jax import LLM, SamplingParams
 from atlas_jax.default_model import TINY_RANDOM_CONFIG, write_random_checkpoint
+from atlas_jax.param_tree import path_of
 from atlas_jax.parallel.sharding import partition
 
 root = sys.argv[1]
@@ -41,7 +42,7 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
         flat = jax.tree_util.tree_flatten_with_path(llm.runner.params)[0]
         own = total = 0
         for keys, x in flat:
-            leaf = tuple(getattr(k, "key", getattr(k, "idx", None)) for k in keys)
+            leaf = path_of(keys)
             total += x.nbytes
             own += x.addressable_shards[0].data.nbytes
             if tp > 1 and leaf in specs and any(partition(specs[leaf], llm.runner.mesh)):
