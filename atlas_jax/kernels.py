@@ -64,6 +64,10 @@ class Kernels:
         """The whole GDN layer (conv, gates, recurrence, gated norm) as one CPU call (fp32 activations and state)."""
         return self.cpu and all(d == jnp.float32 for d in dtypes)
 
+    def fuses_norm(self, *dtypes) -> bool:
+        """RMSNorm (and the residual add before it) as one CPU call (fp32)."""
+        return self.cpu and all(d == jnp.float32 for d in dtypes)
+
     def moe(self, num_pairs: int = 1, num_experts: int = 1, dims: tuple[int, int] = (16, 16)) -> str:
         """Routed experts on the checkpoint's [E, H, F] layout (dims = (hidden, expert intermediate)):
         pallas | blocked (XLA:CPU scan) | gather (few pairs per expert) | ragged (ragged_dot)."""

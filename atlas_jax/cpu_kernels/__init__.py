@@ -23,9 +23,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
-_SOURCES = ("moe_experts.cc", "gdn_recurrent.cc", "gdn_layer.cc", "linear.cc", "paged_attention.cc")
+_SOURCES = ("moe_experts.cc", "moe_route.cc", "gdn_recurrent.cc", "gdn_layer.cc", "linear.cc", "paged_attention.cc",
+            "rms_norm.cc")
 _HEADERS = ("common.h", "tiles.h", "gdn_step.h")
 _TARGETS = {"atlas_moe_experts": "AtlasMoeExperts",       # FFI target name -> exported handler symbol
+            "atlas_moe_route": "AtlasMoeRoute", "atlas_rms_norm": "AtlasRmsNorm", "atlas_add_rms_norm": "AtlasAddRmsNorm",
             "atlas_gdn_recurrent": "AtlasGdnRecurrent", "atlas_gdn_layer": "AtlasGdnLayer",
             "atlas_linear": "AtlasLinear",
             "atlas_paged_attention": "AtlasPagedAttention"}
@@ -142,6 +144,34 @@ def moe_experts(x, token, weight, sizes, gate_up, down):
     out = (jax.ShapeDtypeStruct((n, h), jnp.float32), jax.ShapeDtypeStruct((pairs, f_padded), jnp.float32))
     y, _ = jax.ffi.ffi_call("atlas_moe_experts", out)(x, token, weight, sizes, gate_up, down)
     return y
+
+
+def moe_route(logits, top_k: int, renormalise: bool):
+    """Softmax top-k routing (moe_route.cc; reference: layers/moe.route + the stable sort of the pairs):
+    logits [N, E] fp32 -> (token [N * k] int32: the source row of each pair, sorted by expert; weight [N * k]
+    fp32; sizes [E] int32), the arguments of `moe_experts`."""
+    n, e = logits.shape
+    out = (jax.ShapeDtypeStruct((n * top_k,), jnp.int32), jax.ShapeDtypeStruct((n * top_k,), jnp.float32),
+           jax.ShapeDtypeStruct((e,), jnp.int32))
+    return jax.ffi.ffi_call("atlas_moe_route", out)(logits.astype(jnp.float32), top_k=np.int64(top_k),
+                                                    renormalise=bool(renormalise))
+
+
+def rms_norm(x, w, eps: float, zero_centred: bool):
+    """layers/norms.rms_norm on fp32 x [..., D] as one call (rms_norm.cc)."""
+    flat = x.reshape(-1, x.shape[-1])
+    y = jax.ffi.ffi_call("atlas_rms_norm", jax.ShapeDtypeStruct(flat.shape, jnp.float32))(
+        flat, w, eps=np.float32(eps), zero_centred=bool(zero_centred))
+    return y.reshape(x.shape)
+
+
+def add_rms_norm(x, h, w, eps: float, zero_centred: bool):
+    """(x + h, rms_norm(x + h)) on fp32 [..., D] as one call (rms_norm.cc)."""
+    flat = lambda a: a.reshape(-1, x.shape[-1])
+    out = (jax.ShapeDtypeStruct(flat(x).shape, jnp.float32),) * 2
+    r, y = jax.ffi.ffi_call("atlas_add_rms_norm", out)(flat(x), flat(h), w, eps=np.float32(eps),
+                                                       zero_centred=bool(zero_centred))
+    return r.reshape(x.shape), y.reshape(x.shape)
 
 
 def gdn_recurrent(q, k, v, g, beta, h_pool, slot, read_idx, q_len, fresh, delta_rule: bool = True):

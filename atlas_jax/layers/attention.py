@@ -107,8 +107,8 @@ def attention_layer(p, x, kv, segments, cos, sin, cfg, kernels: Kernels = XLA, s
     k = k.reshape(n, cfg.num_kv_heads, hd)
     v = v.reshape(n, cfg.num_kv_heads, hd)
     if cfg.qk_norm:
-        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm, kernels)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm, kernels)
     if cfg.rotary_dim:                                   # Nemotron-H's attention has no positional encoding
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     k_pages, v_pages = kv

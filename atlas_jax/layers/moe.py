@@ -216,13 +216,26 @@ def pack_params(params, paths, kernels: Kernels = CPU):
     return replace_at(params, paths, jax.jit(pack_experts))
 
 
-def _experts_cpu(p, x, weights, ids, act: str):
-    """Packed experts through the CPU custom call; x [N, H] fp32 (act: the packed layout holds it)."""
-    k = ids.shape[1]
-    order, _, sizes = _sort_pairs(ids, p["gate_up"].shape[0])
-    y = cpu_kernels.moe_experts(x.astype(jnp.float32), (order // k).astype(jnp.int32),
-                                weights.reshape(-1)[order].astype(jnp.float32), sizes, p["gate_up"], p["down"])
-    return y.astype(x.dtype)
+def _routed(p, x, spec: MoeSpec):
+    """route() for this layer's spec: (weights [N, k] fp32, expert ids [N, k])."""
+    bias = p["router_bias"] if spec.routing.kind == "sigmoid" else None
+    return route(p["router"], x, spec.top_k, spec.renormalise, spec.routing, bias)
+
+
+def _experts_cpu(p, x, xe, spec: MoeSpec):
+    """Packed experts through the CPU custom call (the activation is the packed layout's); x [N, H] the tokens
+    routed, xe the experts' input. Softmax routing and the sort of the pairs run as one CPU call too."""
+    experts = p["experts"]
+    if spec.routing.kind == "softmax":
+        token, weight, sizes = cpu_kernels.moe_route((x @ p["router"]).astype(jnp.float32), spec.top_k,
+                                                     spec.renormalise)
+    else:
+        weights, ids = _routed(p, x, spec)
+        order, _, sizes = _sort_pairs(ids, experts["gate_up"].shape[0])
+        token = (order // spec.top_k).astype(jnp.int32)
+        weight = weights.reshape(-1)[order].astype(jnp.float32)
+    y = cpu_kernels.moe_experts(xe.astype(jnp.float32), token, weight, sizes, experts["gate_up"], experts["down"])
+    return y.astype(xe.dtype)
 
 
 def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
@@ -231,20 +244,18 @@ def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
     [shared_gate [H, 1]]} as `spec` says; x [..., H] -> [..., H]."""
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
-    bias = p["router_bias"] if spec.routing.kind == "sigmoid" else None
-    weights, ids = route(p["router"], x2, spec.top_k, spec.renormalise, spec.routing, bias)
     xe = x2 @ p["latent_in"] if spec.latent else x2
     if kernels.packs_experts(p["experts"]["down"].dtype):       # pack_params packed them: the CPU kernel
-        dispatch = "cpu"
+        y = _experts_cpu(p, x2, xe, spec)
     else:
+        weights, ids = _routed(p, x2, spec)
         e, h_dim, f_dim = p["experts"]["up"].shape
         dispatch = kernels.moe(x2.shape[0] * spec.top_k, e, (h_dim, f_dim))
-    if dispatch == "pallas":
-        y = _experts_pallas(p["experts"], xe, weights, ids, spec.act, kernels.interpret)
-    else:
-        experts = {"cpu": _experts_cpu, "blocked": _experts_blocked, "gather": _experts_gather,
-                   "ragged": _experts_ragged}[dispatch]
-        y = experts(p["experts"], xe, weights, ids, spec.act)
+        if dispatch == "pallas":
+            y = _experts_pallas(p["experts"], xe, weights, ids, spec.act, kernels.interpret)
+        else:
+            experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]
+            y = experts(p["experts"], xe, weights, ids, spec.act)
     if spec.latent:
         y = y @ p["latent_out"]
     if spec.shared:

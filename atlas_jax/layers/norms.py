@@ -1,14 +1,28 @@
-"""RMSNorm variants. Computed in fp32, returned in the input dtype."""
+"""RMSNorm variants. Computed in fp32, returned in the input dtype. With the CPU table (fp32) `rms_norm` and
+`add_rms_norm` are one custom call each (cpu_kernels/rms_norm.cc); the XLA form is the reference."""
 import jax
 import jax.numpy as jnp
 
+from .. import cpu_kernels
+from ..kernels import XLA, Kernels
 
-def rms_norm(x, w, eps: float, zero_centred: bool = False):
+
+def rms_norm(x, w, eps: float, zero_centred: bool = False, kernels: Kernels = XLA):
     """x * rsqrt(mean(x^2) + eps) * w; with zero_centred the scale is (1 + w) (Qwen3-Next)."""
+    if kernels.fuses_norm(x.dtype, w.dtype):
+        return cpu_kernels.rms_norm(x, w, eps, zero_centred)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     scale = (1.0 + w.astype(jnp.float32)) if zero_centred else w.astype(jnp.float32)
     return (xf * scale).astype(x.dtype)
+
+
+def add_rms_norm(x, h, w, eps: float, zero_centred: bool = False, kernels: Kernels = XLA):
+    """The pre-norm residual step: (x + h, rms_norm(x + h))."""
+    if kernels.fuses_norm(x.dtype, h.dtype, w.dtype):
+        return cpu_kernels.add_rms_norm(x, h, w, eps, zero_centred)
+    x = x + h
+    return x, rms_norm(x, w, eps, zero_centred)
 
 
 def rms_norm_gated(x, gate, w, eps: float):

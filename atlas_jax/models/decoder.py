@@ -21,7 +21,7 @@ from ..layers.linear import PackedLinear
 from ..layers.mamba2 import mamba2_layer
 from ..layers.mlp import mlp
 from ..layers.moe import MoeSpec, moe
-from ..layers.norms import rms_norm
+from ..layers.norms import add_rms_norm, rms_norm
 from ..layers.rope import rope_cos_sin
 from ..state.cache import ModelState
 
@@ -31,9 +31,11 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
     """One layer: a pre-norm residual mixer block and / or FFN block (skip_mixer: the FFN half only).
     slot [N]: each token's LoRA adapter slot (None: no adapters). Returns (x, layer_state)."""
     mixer, ffn = cfg.layer_types[i], cfg.ffn_types[i]
+    eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
     with jax.named_scope(f"layer_{i}"):
+        h = None                                     # the mixer's output, not yet added to x
         if mixer != NONE and not skip_mixer:
-            h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+            h = rms_norm(x, p["input_norm"], eps, zc, kernels)
             if mixer == FULL_ATTENTION:
                 h, layer_state = attention_layer(p["attn"], h, layer_state, segments, cos, sin, cfg, kernels, slot)
             elif mixer == LINEAR_ATTENTION:
@@ -41,15 +43,17 @@ def decoder_layer(p, x, layer_state, segments, cos, sin, cfg: ModelConfig, i: in
             else:
                 assert mixer == MAMBA, mixer
                 h, layer_state = mamba2_layer(p["mamba"], h, layer_state, segments, cfg, kernels, slot)
-            x = x + h
-        if ffn != NONE:
-            h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
-            if ffn == MOE:
-                h = moe(p["moe"], h, MoeSpec.of(cfg), kernels, slot)
-            else:
-                h = mlp(p["mlp"], h, cfg.mlp_act, slot)
-            x = x + h
-        return x, layer_state
+        if ffn == NONE:
+            return (x if h is None else x + h), layer_state
+        if h is None:
+            h = rms_norm(x, p["post_norm"], eps, zc, kernels)
+        else:
+            x, h = add_rms_norm(x, h, p["post_norm"], eps, zc, kernels)
+        if ffn == MOE:
+            h = moe(p["moe"], h, MoeSpec.of(cfg), kernels, slot)
+        else:
+            h = mlp(p["mlp"], h, cfg.mlp_act, slot)
+        return x + h, layer_state
 
 
 def argmax(logits):
@@ -107,11 +111,11 @@ def forward(params, state: ModelState, segments: tuple[StepBatch, ...], cfg: Mod
             x, _ = decoder_layer(p, x, None, segments, cos, sin, cfg, i, kernels, slot=slot)
     new_state = ModelState(kv=tuple(kv), ssm=tuple(ssm))
     if all_logits or all_hidden:
-        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+        x = rms_norm(x, params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm, kernels)
         if all_logits:
             return split_segments(lm_head(params, x, cfg), segments), (x if all_hidden else split_segments(x, segments)), new_state
         return (lm_head(params, last_positions(x, segments), cfg) if logits else None), x, new_state
-    x = rms_norm(last_positions(x, segments), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm)
+    x = rms_norm(last_positions(x, segments), params["final_norm"], cfg.rms_norm_eps, cfg.zero_centred_norm, kernels)
     return lm_head(params, x, cfg), x, new_state
 
 

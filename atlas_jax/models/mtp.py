@@ -37,15 +37,15 @@ def mtp_forward(params, kv, segments, tokens, hidden, cfg: ModelConfig, depth: i
     each position), over the segments' positions and pages. Returns (out [N, H] normed, kv)."""
     p = params["mtp"]
     eps, zc = cfg.rms_norm_eps, cfg.zero_centred_norm
-    e = rms_norm(jnp.take(params["embed"], tokens, axis=0), p["pre_fc_norm_embedding"], eps, zc)
-    h = rms_norm(hidden.astype(e.dtype), p["pre_fc_norm_hidden"], eps, zc)
+    e = rms_norm(jnp.take(params["embed"], tokens, axis=0), p["pre_fc_norm_embedding"], eps, zc, kernels)
+    h = rms_norm(hidden.astype(e.dtype), p["pre_fc_norm_hidden"], eps, zc, kernels)
     x = jnp.concatenate([e, h], axis=-1) @ p["fc"]
     positions = jnp.concatenate([s.positions.reshape(-1) for s in segments])
     cos, sin = rope_cos_sin(positions, cfg.rotary_dim, cfg.rope_theta)
     i = depth % len(p["layers"])
     kv = list(kv)
     x, kv[i] = decoder_layer(p["layers"][i], x, kv[i], segments, cos, sin, mtp_config(cfg), 0, kernels)
-    return rms_norm(x, p["norm"], eps, zc), tuple(kv)
+    return rms_norm(x, p["norm"], eps, zc, kernels), tuple(kv)
 
 
 def propose(params, kv, segments, tokens_segs, hidden, catch_len, draft_ok, cfg: ModelConfig, num_drafts: int,
