@@ -217,3 +217,43 @@ def test_paged_attention_matches_float64(b, t, hkv, group, d, page_size, seed):
                                                                       scale=scale)
     np.testing.assert_allclose(o, _attention_float64(q, k_pages, v_pages, table, start, q_len, scale),
                                atol=2e-5, rtol=2e-5)
+
+
+@settings(max_examples=examples(24), deadline=None)
+@given(n=st.integers(1, 150), e=st.integers(1, 40), k=st.integers(1, 8), renormalise=st.booleans(),
+       ties=st.booleans(), seed=st.integers(0, 10_000))
+@example(n=3, e=8, k=2, renormalise=True, ties=True, seed=0)
+def test_moe_route_matches_xla_routing(n, e, k, renormalise, ties, seed):
+    """Softmax top-k + the stable sort of the pairs by expert, as layers/moe.route and its sort give them;
+    with `ties` the logits are small integers, so equal probabilities must go to the lower expert id."""
+    from atlas_jax.layers import moe
+    k = min(k, e)
+    rng = np.random.default_rng(seed)
+    logits = rng.integers(-2, 3, (n, e)) if ties else rng.standard_normal((n, e)) * 3
+    logits = jnp.asarray(logits, jnp.float32)
+    token, weight, sizes = jax.jit(lambda l: cpu_kernels.moe_route(l, k, renormalise))(logits)
+    weights, ids = moe.route(jnp.eye(e), logits, k, renormalise)
+    order, _, want_sizes = moe._sort_pairs(ids, e)
+    np.testing.assert_array_equal(sizes, want_sizes)
+    np.testing.assert_array_equal(token, order // k)
+    np.testing.assert_allclose(weight, weights.reshape(-1)[order], rtol=2e-6, atol=1e-7)
+
+
+@settings(max_examples=examples(18), deadline=None)
+@given(rows=st.integers(1, 700), d=st.sampled_from([1, 7, 16, 64, 100, 256]), zero_centred=st.booleans(),
+       residual=st.booleans(), seed=st.integers(0, 10_000))
+@example(rows=600, d=256, zero_centred=True, residual=True, seed=1)      # several row blocks, in parallel
+def test_rms_norm_matches_xla(rows, d, zero_centred, residual, seed):
+    from atlas_jax.layers import norms
+    rng = np.random.default_rng(seed)
+    x, h = (jnp.asarray(rng.standard_normal((rows, 1, d)) * 3, jnp.float32) for _ in range(2))
+    w = jnp.asarray(rng.standard_normal(d), jnp.float32)
+    if residual:
+        got = jax.jit(lambda x, h, w: norms.add_rms_norm(x, h, w, 1e-6, zero_centred, CPU))(x, h, w)
+        want = norms.add_rms_norm(x, h, w, 1e-6, zero_centred, XLA)
+    else:
+        got = (jax.jit(lambda x, w: norms.rms_norm(x, w, 1e-6, zero_centred, CPU))(x, w),)
+        want = (norms.rms_norm(x, w, 1e-6, zero_centred, XLA),)
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        np.testing.assert_allclose(g, r, rtol=2e-6, atol=2e-6)
