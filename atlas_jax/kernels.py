@@ -29,6 +29,7 @@ class Kernels:
     interpret: bool = False     # Pallas interpret mode (CPU)
     cpu: bool = False           # XLA layers + the CPU custom calls (built: resolve_kernels checks)
     platform: str | None = None  # "cpu" | "gpu" | "tpu"; None only in ad-hoc layer calls: jax's default backend
+    expert_mesh: object = None   # expert parallel: the Mesh whose "tp" axis splits the routed experts by expert
 
     @property
     def name(self) -> str:
@@ -97,6 +98,8 @@ class Kernels:
         if cfg.num_experts:
             out["moe"] = "cpu" if self.packs_experts(dtype) else self.moe(
                 cfg.num_experts_per_tok, cfg.num_experts, (cfg.hidden_size, cfg.moe_intermediate_size))
+            if self.expert_mesh is not None:
+                out["moe"] += f", expert-parallel over {self.expert_mesh.size} devices"
         out["linear"] = "cpu-packed" if self.cpu and dtype == jnp.float32 else "xla"
         return out
 

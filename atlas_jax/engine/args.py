@@ -23,6 +23,9 @@ class EngineArgs:
                          choices=KERNELS)
     tensor_parallel_size: int = _knob(1, "devices the model is split over (heads, intermediate dims, vocabulary: "
                                       "parallel/sharding.py); > 1 runs the pure-XLA layers", flag="--tensor-parallel-size")
+    enable_expert_parallel: bool = _knob(False, "split the routed experts by expert over the tensor-parallel devices "
+                                         "(each runs its own experts on every token; the outputs are summed) instead "
+                                         "of splitting each expert's intermediate dim")
     page_size: int = _knob(16, "tokens per KV page")
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
     kv_cache_memory: float | None = _knob(None, "KV pool size in GiB, instead of num-pages (default: num-pages' "

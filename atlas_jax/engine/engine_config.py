@@ -9,7 +9,7 @@ import dataclasses
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
-from ..parallel.sharding import check_devices, check_divides
+from ..parallel.sharding import check_devices, check_divides, make_mesh
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
@@ -53,6 +53,7 @@ class EngineConfig:
     async_scheduling: bool = True    # (where it applies: EngineCore._overlaps)
     mtp_layers: int = 0              # the checkpoint's MTP layers as loaded (param_specs' count; 0: no head)
     tensor_parallel_size: int = 1    # devices of the ("tp",) mesh (parallel/sharding.py)
+    expert_parallel: bool = False    # routed experts split by expert over the mesh (kernels.expert_mesh is set)
 
     def param_specs(self):
         """The loaded params' typed description (models/layout.py ParamSpec per leaf)."""
@@ -81,11 +82,14 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         tp = a.tensor_parallel_size
+        expert_parallel = bool(a.enable_expert_parallel) and tp > 1 and cfg.num_experts > 0
         if tp > 1:
-            check_divides(cfg, tp)
+            check_divides(cfg, tp, expert_parallel)
             check_devices(tp)
             if kernels.cpu or kernels.pallas:
                 raise ValueError("tensor_parallel_size > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
+        if expert_parallel:                          # the MoE layers split their dispatch over this mesh
+            kernels = dataclasses.replace(kernels, expert_mesh=make_mesh(tp))
         spec = SpeculativeConfig.parse(a.speculative)
         max_model_len = a.max_model_len or min(cfg.max_position_embeddings, 4096)
         num_pages = a.num_pages
@@ -109,4 +113,4 @@ class EngineConfig:
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
         return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
-                   mtp_layers, tp)
+                   mtp_layers, tp, expert_parallel)

@@ -66,6 +66,7 @@ class LLM:
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
         self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels, self.num_mtp_layers)
         self.max_model_len = self.config.max_model_len
+        self.kernels = self.config.kernels
         log.info("op table: %s", self.kernels.describe(self.cfg, self.dtype, a.page_size))
         self.engine = EngineCore(self.config, params, self.tokenizer,
                                  load_token_map(self.config.speculative, self.model_path, self.cfg.vocab_size))

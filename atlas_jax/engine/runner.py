@@ -31,7 +31,7 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
-from ..parallel.sharding import abstract_sharded, make_mesh, shard_params, state_shardings
+from ..parallel.sharding import abstract_sharded, make_mesh, rules_for, shard_params, state_shardings
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
@@ -76,7 +76,8 @@ def served_params(config, params, mtp_token_ids=None, mesh=None):
     served = prepare(params)
     check_params(served, abstract)
     if mesh is not None:
-        return shard_params(served, specs, mesh), abstract_sharded(abstract, specs, mesh)
+        rules = rules_for(config.expert_parallel)
+        return shard_params(served, specs, mesh, rules), abstract_sharded(abstract, specs, mesh, rules)
     return served, abstract
 
 

@@ -6,6 +6,10 @@ DeepSeek-V3). Experts are SwiGLU (gate, up, down) or relu2 (up, down); Nemotron-
 latent width (latent_in / latent_out projections around them); the shared expert may have a sigmoid gate
 (Qwen3-Next / Qwen3.5). Which variant is the config's (`MoeSpec.of`), never which params are present.
 
+Expert parallel (`kernels.expert_mesh`): each device of the mesh's "tp" axis holds E / tp whole experts and
+runs the dispatch below on every token for the pairs routed to its own experts (the others weigh 0); the
+shards' outputs are summed (psum) — replicated tokens, local experts, one all-reduce a layer.
+
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
 sorted by expert and run by one of five dispatches. Packed experts (`pack_params`, done once by the
 ModelRunner under Kernels.cpu, the CPU default when `atlas_jax.cpu_kernels` builds) always take:
@@ -28,6 +32,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels import grouped_matmul as pallas_gmm
 
@@ -238,6 +243,32 @@ def _experts_cpu(p, x, xe, spec: MoeSpec):
     return y.astype(xe.dtype)
 
 
+def _experts(experts, x, weights, ids, act: str, kernels: Kernels):
+    """The routed experts on the checkpoint's layout by the dispatch the op table picks for these shapes."""
+    e, h_dim, f_dim = experts["up"].shape
+    dispatch = kernels.moe(x.shape[0] * ids.shape[1], e, (h_dim, f_dim))
+    if dispatch == "pallas":
+        return _experts_pallas(experts, x, weights, ids, act, kernels.interpret)
+    return {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch](
+        experts, x, weights, ids, act)
+
+
+def _experts_parallel(experts, x, weights, ids, act: str, kernels: Kernels):
+    """Expert parallel (module doc): per shard, the pairs of its E / tp experts (ids made local, the rest weigh
+    0) through `_experts`; the partial sums psum'd over "tp"."""
+    mesh = kernels.expert_mesh
+    local = experts["up"].shape[0] // mesh.shape["tp"]
+
+    def shard(experts, x, weights, ids):
+        first = jax.lax.axis_index("tp") * local
+        mine = (ids >= first) & (ids < first + local)
+        y = _experts(experts, x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids - first, 0), act, kernels)
+        return jax.lax.psum(y.astype(jnp.float32), "tp").astype(x.dtype)
+    by_expert = jax.tree.map(lambda _: P("tp"), experts)
+    return jax.shard_map(shard, mesh=mesh, in_specs=(by_expert, P(), P(), P()), out_specs=P())(
+        experts, x, weights, ids)
+
+
 def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
     """p: {router [H, E], [router_bias [E]: sigmoid routing], experts: {[gate [E, H', F]: silu], up [E, H', F],
     down [E, F, H']} (or packed: pack_experts), [latent_in [H, H'], latent_out [H', H]], [shared: MLP params],
@@ -247,15 +278,10 @@ def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
     xe = x2 @ p["latent_in"] if spec.latent else x2
     if kernels.packs_experts(p["experts"]["down"].dtype):       # pack_params packed them: the CPU kernel
         y = _experts_cpu(p, x2, xe, spec)
+    elif kernels.expert_mesh is not None:
+        y = _experts_parallel(p["experts"], xe, *_routed(p, x2, spec), spec.act, kernels)
     else:
-        weights, ids = _routed(p, x2, spec)
-        e, h_dim, f_dim = p["experts"]["up"].shape
-        dispatch = kernels.moe(x2.shape[0] * spec.top_k, e, (h_dim, f_dim))
-        if dispatch == "pallas":
-            y = _experts_pallas(p["experts"], xe, weights, ids, spec.act, kernels.interpret)
-        else:
-            experts = {"blocked": _experts_blocked, "gather": _experts_gather, "ragged": _experts_ragged}[dispatch]
-            y = experts(p["experts"], xe, weights, ids, spec.act)
+        y = _experts(p["experts"], xe, *_routed(p, x2, spec), spec.act, kernels)
     if spec.latent:
         y = y @ p["latent_out"]
     if spec.shared:

@@ -34,6 +34,11 @@ from ..param_tree import path_of
 TP = "tp"
 RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
                                "gdn_heads", "mamba_heads", "mamba_inner")}
+EXPERT_RULES = {**RULES, "experts": TP}      # expert parallel: the expert axis takes tp (an expert stays whole)
+
+
+def rules_for(expert_parallel: bool) -> dict:
+    return EXPERT_RULES if expert_parallel else RULES
 
 
 def check_devices(tensor_parallel_size: int, devices=None) -> list:
@@ -50,10 +55,12 @@ def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
     return Mesh(np.array(check_devices(tensor_parallel_size, devices)), (TP,))
 
 
-def check_divides(cfg, tp: int) -> None:
+def check_divides(cfg, tp: int, expert_parallel: bool = False) -> None:
     """ValueError naming the field when a count the rules split over tp does not divide (KV heads may be fewer
     than tp: they are then replicated, as sglang-jax does)."""
     fields = {"num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size}
+    if expert_parallel:
+        fields["num_experts"] = cfg.num_experts
     if cfg.num_kv_heads >= tp:
         fields["num_key_value_heads"] = cfg.num_kv_heads
     if cfg.recurrent_layers and cfg.linear_num_key_heads:

@@ -32,8 +32,8 @@ greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 out = {}
 for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
-    for tp in (1, 2, 4):
-        llm = LLM(path, tensor_parallel_size=tp, warmup=(tp == 2), **kw)
+    for tp, ep in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+        llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, warmup=(tp == 2 and not ep), **kw)
         compiles = llm.num_compiles
         tokens = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4, 5], [9, 8, 7]], greedy)]
         tokens += [llm.generate([3, 1, 4, 1, 5, 9, 2, 6], seeded)[0].outputs[0].token_ids]
@@ -49,8 +49,11 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
                 split.append([str(leaf), x.addressable_shards[0].data.nbytes * tp == x.nbytes])
         leaves = jax.tree.leaves(llm.runner.state)
         state = sum(x.addressable_shards[0].data.nbytes for x in leaves) / sum(x.nbytes for x in leaves)
-        out[f"{name}/{tp}"] = {"tokens": tokens, "split": split, "per_device": own / total, "state": state,
-                               "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
+        experts = [x.addressable_shards[0].data.shape[0] * tp == x.shape[0] for keys, x in flat
+                   if path_of(keys)[-2:-1] == ("experts",)]
+        out[f"{name}/{tp}" + ("/ep" if ep else "")] = {
+            "tokens": tokens, "split": split, "per_device": own / total, "state": state, "experts_split": experts,
+            "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
         del llm
 # the shipped model with its MTP head drafting: prefix caching (a second turn: prompt + reply + more hits), then
 # swap preemption (two rows growing in a 9-page pool: one is swapped out and back)
@@ -97,6 +100,18 @@ def test_params_are_split(results, family):
         assert r["state"] < {2: 0.7, 4: 0.9}[tp], r["state"]       # KV pages and h pools by head (KV heads 2:
                                                                     # replicated at tp 4)
     assert results[f"{family}/2"]["compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_expert_parallel(results, family):
+    """Experts split by expert (whole experts per device: the shard's leading axis is E / tp), tokens equal
+    one device's (a dropped psum of the shards' partial sums changes them)."""
+    one = results[f"{family}/1"]["tokens"]
+    for tp in (2, 4):
+        r = results[f"{family}/{tp}/ep"]
+        assert r["tokens"] == one
+        assert r["experts_split"] and all(r["experts_split"]), r["experts_split"]
+        assert not any(results[f"{family}/{tp}"]["experts_split"])     # tp alone splits each expert's F instead
 
 
 def test_mtp_prefix_cache_and_swap_under_tp(results):
