@@ -1,1 +1,1 @@
-"""Scale-out: the device mesh and the sharding rules (sharding.py)."""
+"""Scale-out: the device mesh and the sharding rules (sharding.py); per-device memory from a config (memory_plan.py)."""

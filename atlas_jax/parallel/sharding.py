@@ -114,15 +114,25 @@ def abstract_sharded(abstract, specs, mesh: Mesh, rules=RULES):
                         leaf_shardings(abstract, specs, mesh, rules))
 
 
-def state_shardings(state, mesh: Mesh):
-    """An EngineState-shaped tree of NamedShardings (module doc): what the state is placed with and kept at."""
-    tp, rep = mesh.shape[TP], replicated(mesh)
+def _by_head(x, axis: int, mesh) -> NamedSharding:
+    return NamedSharding(mesh, P(*[None] * axis, TP)) if x.shape[axis] % mesh.shape[TP] == 0 else replicated(mesh)
 
-    def heads(x, axis: int):
-        return NamedSharding(mesh, P(*[None] * axis, TP)) if x.shape[axis] % tp == 0 else rep
-    kv = lambda pools: tuple((heads(k, 2), heads(v, 2)) for k, v in pools)
-    out = jax.tree.map(lambda _: rep, state)
-    model = dataclasses.replace(out.model, kv=kv(state.model.kv),
-                                ssm=tuple((heads(h, 2), rep) for h, _ in state.model.ssm))
-    return dataclasses.replace(out, model=model, draft_kv=kv(state.draft_kv),
-                               snapshots=tuple((heads(h, 1), rep) for h, _ in state.snapshots))
+
+def kv_shardings(pools, mesh) -> tuple:
+    """KV pools ((k, v) [P, page, KV heads, D] per layer) split by KV head where tp divides them."""
+    return tuple((_by_head(k, 2, mesh), _by_head(v, 2, mesh)) for k, v in pools)
+
+
+def model_state_shardings(model, mesh):
+    """A ModelState of shardings: KV pools by KV head, h pools [S, R, H, Dk, Dv] by head, conv windows replicated."""
+    return dataclasses.replace(model, kv=kv_shardings(model.kv, mesh),
+                               ssm=tuple((_by_head(h, 2, mesh), replicated(mesh)) for h, _ in model.ssm))
+
+
+def state_shardings(state, mesh):
+    """An EngineState-shaped tree of NamedShardings (module doc): what the state is placed with and kept at.
+    mesh: a Mesh, or an AbstractMesh for planning without devices (parallel/plan.py)."""
+    out = jax.tree.map(lambda _: replicated(mesh), state)
+    return dataclasses.replace(out, model=model_state_shardings(state.model, mesh),
+                               draft_kv=kv_shardings(state.draft_kv, mesh),
+                               snapshots=tuple((_by_head(h, 1, mesh), replicated(mesh)) for h, _ in state.snapshots))

@@ -18,6 +18,20 @@ from atlas_jax import LLM, SamplingParams
 from atlas_jax.default_model import TINY_RANDOM_CONFIG, write_random_checkpoint
 from atlas_jax.param_tree import path_of
 from atlas_jax.parallel.sharding import partition
+from atlas_jax.parallel.memory_plan import plan, state_bytes_per_device
+from jax.sharding import AbstractMesh
+
+
+def planned_over_measured(llm, tp, ep, own):
+    # (plan's per-device weight bytes / measured, its state bytes / measured): KV, recurrent, MTP KV, snapshots
+    r = llm.runner
+    state = state_bytes_per_device(llm.cfg, r.num_pages, r.page_size, r.num_slots, llm.dtype,
+                                   AbstractMesh((tp,), ("tp",)), r.state_positions, len(r.state.draft_kv),
+                                   r.num_snapshots)
+    measured = sum(x.addressable_shards[0].data.nbytes
+                   for x in jax.tree.leaves((r.state.model, r.state.draft_kv, r.state.snapshots)))
+    weights = plan(llm.cfg, llm.dtype, tp, ep, llm.num_mtp_layers).weights if own else None
+    return [weights / own if own else None, state / measured]
 
 root = sys.argv[1]
 qwen = os.path.join(root, "qwen3_next")
@@ -53,6 +67,7 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
                    if path_of(keys)[-2:-1] == ("experts",)]
         out[f"{name}/{tp}" + ("/ep" if ep else "")] = {
             "tokens": tokens, "split": split, "per_device": own / total, "state": state, "experts_split": experts,
+            "plan": planned_over_measured(llm, tp, ep, own),
             "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
         del llm
 # the shipped model with its MTP head drafting: prefix caching (a second turn: prompt + reply + more hits), then
@@ -64,11 +79,12 @@ for tp in (1, 2):
     runs = [llm.generate(prompt, greedy)[0].outputs[0].token_ids]
     runs.append(llm.generate(prompt + runs[0] + [1, 2, 3], greedy)[0].outputs[0].token_ids)   # the next turn
     hit, accepted = llm.prefix_cache_stats()["hit_tokens"], llm.spec_stats()["accepted"]
+    planned = planned_over_measured(llm, tp, False, 0)
     del llm
     llm = LLM(tensor_parallel_size=tp, speculative=mtp, warmup=False, **{**kw, "num_pages": 9})
     runs += [o.outputs[0].token_ids for o in llm.generate([prompt[:8], prompt[8:16]], SamplingParams(
         max_tokens=40, temperature=0.0, ignore_eos=True))]
-    out[f"mtp_prefix_swap/{tp}"] = {"tokens": runs, "hit": hit, "accepted": accepted,
+    out[f"mtp_prefix_swap/{tp}"] = {"tokens": runs, "hit": hit, "accepted": accepted, "plan": planned,
                                     "preempted": sum(llm.engine.stats()["num_preemptions"].values())}
     del llm
 print("RESULT " + json.dumps(out))
@@ -112,6 +128,19 @@ def test_expert_parallel(results, family):
         assert r["tokens"] == one
         assert r["experts_split"] and all(r["experts_split"]), r["experts_split"]
         assert not any(results[f"{family}/{tp}"]["experts_split"])     # tp alone splits each expert's F instead
+
+
+def test_memory_plan_matches_measured_bytes(results):
+    """scripts/plan_memory.py's numbers (parallel/memory_plan.py, from the config and the rules alone) against
+    the per-device bytes of the sharded engines: weights, and the state (with the MTP head's KV and the
+    prefix-cache snapshots in the MTP engine)."""
+    checked = 0
+    for key, r in results.items():
+        for ratio in r.get("plan") or ():
+            if ratio is not None:
+                assert abs(ratio - 1) < 0.02, (key, r["plan"])
+                checked += 1
+    assert checked >= 2 * 10 + 2
 
 
 def test_mtp_prefix_cache_and_swap_under_tp(results):
