@@ -30,6 +30,7 @@ class Kernels:
     cpu: bool = False           # XLA layers + the CPU custom calls (built: resolve_kernels checks)
     platform: str | None = None  # "cpu" | "gpu" | "tpu"; None only in ad-hoc layer calls: jax's default backend
     expert_mesh: object = None   # expert parallel: the Mesh whose "tp" axis splits the routed experts by expert
+    section_tiles: int = 1       # sectioned params (Mamba2 in_proj / conv) stored in this many tiles (layers/sections.py)
 
     @property
     def name(self) -> str:

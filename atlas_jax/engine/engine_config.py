@@ -9,7 +9,7 @@ import dataclasses
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
-from ..parallel.sharding import check_devices, check_divides, make_mesh
+from ..parallel.sharding import check_devices, check_divides, make_mesh, section_tiles
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
@@ -90,6 +90,8 @@ class EngineConfig:
                 raise ValueError("tensor_parallel_size > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
         if expert_parallel:                          # the MoE layers split their dispatch over this mesh
             kernels = dataclasses.replace(kernels, expert_mesh=make_mesh(tp))
+        if tp > 1:                                   # Mamba2's sectioned params tiled where they split whole
+            kernels = dataclasses.replace(kernels, section_tiles=section_tiles(cfg, tp))
         spec = SpeculativeConfig.parse(a.speculative)
         max_model_len = a.max_model_len or min(cfg.max_position_embeddings, 4096)
         num_pages = a.num_pages

@@ -31,7 +31,8 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
-from ..parallel.sharding import abstract_sharded, make_mesh, rules_for, shard_params, state_shardings
+from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, rules_for, shard_params, state_shardings,
+                                 tile_params)
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
@@ -53,7 +54,9 @@ def draft_vocab(params, ids, cfg) -> dict:
 def prepared_params(params, specs, kernels):
     """The params as the steps use them: under Kernels.cpu the projections (roles proj / head, and the MTP draft
     vocabulary's lm_head) and every MoE layer's experts in the CPU kernels' packed layouts, chosen by the specs'
-    roles (models/layout.py); unchanged otherwise. Works on abstract params too (under jax.eval_shape)."""
+    roles (models/layout.py); unchanged otherwise. Sectioned params are tiled first where the table says
+    (kernels.section_tiles, tensor parallel). Works on abstract params too (under jax.eval_shape)."""
+    params = tile_params(params, specs, kernels.section_tiles)
     if not kernels.cpu:
         return params
     params = pack_params(params, sorted({s.path[:-1] for s in specs if s.role == "experts"}, key=str), kernels)
@@ -76,7 +79,7 @@ def served_params(config, params, mtp_token_ids=None, mesh=None):
     served = prepare(params)
     check_params(served, abstract)
     if mesh is not None:
-        rules = rules_for(config.expert_parallel)
+        rules = rules_for(config.expert_parallel, config.kernels.section_tiles > 1)
         return shard_params(served, specs, mesh, rules), abstract_sharded(abstract, specs, mesh, rules)
     return served, abstract
 
@@ -145,7 +148,8 @@ class ModelRunner:
                                  jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
                                  jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
                                  init_slot_sampling(c.num_slots, BIAS_COLUMNS))
-        self.state_sharding = None if self.mesh is None else state_shardings(self.state, self.mesh)
+        self.state_sharding = None if self.mesh is None else state_shardings(
+            self.state, self.mesh, conv_split(cfg, kernels.section_tiles))
         if self.mesh is not None:                    # split by heads where the rules say (parallel/sharding.py)
             self.state = jax.device_put(self.state, self.state_sharding)
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))

@@ -8,6 +8,8 @@ recurrence without the delta rule (q = C, k = B, v = x, beta = dt, g = dt A), so
 `gdn.mix` — conv window and h pools, chunked SSD for prefill (chunk = the config's chunk_size),
 token steps for decode / verify with per-token states for rollback, the Pallas kernels on GPU.
 Then y * silu(z) is RMS-normalised per group (n_groups groups of I / n_groups) and projected out.
+Under tensor parallel in_proj's output, the conv channels and their state are tiled (`kernels.section_tiles`,
+layers/sections.py), so every device holds its own heads and groups of each section.
 """
 import jax
 import jax.numpy as jnp
@@ -17,6 +19,18 @@ from ..kernels import XLA, Kernels
 from .gdn import mix
 from .lora import project
 from .norms import rms_norm_gated_grouped
+from .sections import split_tiled
+
+
+def in_sections(cfg) -> tuple[int, ...]:
+    """in_proj's output sections: z | x | B | C | dt."""
+    width, gn = cfg.mamba_num_heads * cfg.mamba_head_dim, cfg.mamba_n_groups * cfg.mamba_state_size
+    return (width, width, gn, gn, cfg.mamba_num_heads)
+
+
+def conv_sections(cfg) -> tuple[int, ...]:
+    """The conv channels' sections: x | B | C."""
+    return in_sections(cfg)[1:4]
 
 
 def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
@@ -26,8 +40,10 @@ def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
     n = x.shape[0]
     hm, hd, ns, ng = cfg.mamba_num_heads, cfg.mamba_head_dim, cfg.mamba_state_size, cfg.mamba_n_groups
     width = hm * hd
+    tiles = kernels.section_tiles
     proj = project(x, p, "in_proj", slot, cfg.mamba_proj_bias)
-    z, xbc, dt = jnp.split(proj, [width, width + cfg.mamba_conv_dim], axis=-1)
+    # tiled, block d of in_proj is [z_d | x_d B_d C_d | dt_d]: xbc comes out in the conv's tiled channel order
+    z, xbc, dt = split_tiled(proj, (width, cfg.mamba_conv_dim, hm), tiles)
     a = -jnp.exp(p["A_log"].astype(jnp.float32))
     conv_b = p["conv_bias"] if cfg.mamba_conv_bias else None
     outs = []
@@ -35,7 +51,7 @@ def mamba2_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
         b, t = seg.tokens.shape
 
         def prepare(y, dt_s=dt_s, b=b, t=t):
-            xs, bm, cm = jnp.split(y, [width, width + ng * ns], axis=-1)
+            xs, bm, cm = split_tiled(y, conv_sections(cfg), tiles)
             step = jax.nn.softplus(dt_s.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
             step = jnp.maximum(step, cfg.mamba_dt_min)                                   # [B, T, Hm]
             return (cm.reshape(b, t, ng, ns), bm.reshape(b, t, ng, ns), xs.reshape(b, t, hm, hd), step * a, step)

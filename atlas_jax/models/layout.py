@@ -18,6 +18,8 @@ Logical axes (`ParamSpec.axes`, one per dimension of the engine's array; shardin
   gdn_value (value heads x dv), gdn_heads (value heads), gdn_conv (the conv channels = the q | k | v sections),
   value_dim, conv_kernel; Mamba2: mamba_in (z | xBC | dt sections), mamba_conv (x | B | C), mamba_heads,
   mamba_inner (heads x head_dim); gate (the shared-expert gate's single output).
+Sectioned axes (SECTIONED) carry their section widths (`ParamSpec.sections`) where the layers read them tiled
+under tensor parallel (Mamba2's; layers/sections.py).
 """
 from __future__ import annotations
 
@@ -38,6 +40,11 @@ class ParamSpec:
                                      # experts ([E,out,in] -> [E,in,out]), gate_half / up_half (of [E,2F,H])
     role: str = "vector"             # what the layers do with it (module doc)
     axes: tuple[str, ...] = ()       # the logical axis of each dimension of `shape` (module doc)
+    sections: tuple[int, ...] = ()   # a sectioned axis' (SECTIONED) section widths, end to end (layers/sections.py)
+
+    @property
+    def sectioned_axis(self) -> int | None:
+        return next((i for i, a in enumerate(self.axes) if a in SECTIONED), None)
 
     def convert(self, t: np.ndarray) -> np.ndarray:
         if self.kind == "linear":
@@ -70,6 +77,7 @@ class ParamSpec:
 
 
 ROLES = ("proj", "head", "router", "experts", "embed", "norm", "conv", "vector")
+SECTIONED = frozenset({"gdn_qkv", "gdn_conv", "mamba_in", "mamba_conv"})      # axes of sections laid end to end
 AXES = frozenset({"vocab", "hidden", "head_dim", "heads", "kv_heads", "mlp", "experts", "expert_mlp", "latent",
                   "router", "hidden_pair", "gdn_qkvz", "gdn_ba", "gdn_qkv", "gdn_value", "gdn_heads", "gdn_conv",
                   "value_dim", "conv_kernel", "mamba_in", "mamba_conv", "mamba_heads", "mamba_inner", "gate"})

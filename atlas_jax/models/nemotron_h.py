@@ -4,7 +4,10 @@ MLP, or MoE (sigmoid router with correction bias and group-limited top-k, relu2 
 shared expert, optional latent projections). An engine layer holds one block: a mixer block's norm
 is its `input_norm`, an FFN block's its `post_norm` (cfg.layer_types / cfg.ffn_types). An MTP head
 (`mtp.layers.*`, vLLM's NemotronH-MTP layout) is loaded when present."""
+import dataclasses
+
 from ..config import FULL_ATTENTION, MAMBA, MLP, MOE, NONE, ModelConfig
+from ..layers.mamba2 import conv_sections, in_sections
 from .layout import (attention_specs, conv, experts_spec, head_specs, linear, mlp_specs, norm, per_expert_spec,
                      router_spec, vector)
 
@@ -26,7 +29,9 @@ def mamba_specs(cfg: ModelConfig, path, prefix):
     if cfg.mamba_proj_bias:
         specs += [vector((*path, "in_proj_bias"), f"{prefix}.in_proj.bias", width + c + hm, "mamba_in"),
                   vector((*path, "out_bias"), f"{prefix}.out_proj.bias", h, "hidden")]
-    return specs
+    sections = {"mamba_in": in_sections(cfg), "mamba_conv": conv_sections(cfg)}
+    return [dataclasses.replace(s, sections=sections[s.axes[s.sectioned_axis]]) if s.sectioned_axis is not None
+            else s for s in specs]
 
 
 def relu2_specs(path, prefix, hidden, inter):

@@ -21,7 +21,7 @@ from ..engine.sampling_params import BIAS_COLUMNS
 from ..models import family
 from ..models.layout import abstract_params
 from ..state.cache import state_shapes
-from .sharding import TP, kv_shardings, leaf_shardings, model_state_shardings, rules_for
+from .sharding import TP, conv_split, kv_shardings, leaf_shardings, model_state_shardings, rules_for, section_tiles
 
 LIVE_INTERMEDIATES = 4          # activations: fp32 [tokens, widest] buffers assumed live at once
 
@@ -52,7 +52,8 @@ def state_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, num
                            state_positions: int = 1, mtp_layers: int = 0, num_snapshots: int = 0) -> int:
     """Per-device bytes of the model state (KV pools, recurrent pools), the MTP head's KV and the snapshot pool."""
     model = state_shapes(cfg, num_pages, page_size, num_slots, dtype, state_positions)
-    total = _bytes(model, model_state_shardings(model, mesh))
+    split = conv_split(cfg, section_tiles(cfg, mesh.shape[TP]))
+    total = _bytes(model, model_state_shardings(model, mesh, split))
     page = jax.ShapeDtypeStruct((num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
     draft = tuple((page, page) for _ in range(mtp_layers))
     total += _bytes(draft, kv_shardings(draft, mesh))
@@ -71,7 +72,8 @@ def plan(cfg: ModelConfig, dtype, tp: int = 1, expert_parallel: bool = False, mt
     mesh = AbstractMesh((tp,), (TP,))
     specs = family(cfg.model_type).param_specs(cfg, mtp_layers)
     params = abstract_params(specs, dtype)
-    weights = _bytes(params, leaf_shardings(params, specs, mesh, rules_for(expert_parallel and cfg.num_experts > 0)))
+    rules = rules_for(expert_parallel and cfg.num_experts > 0, section_tiles(cfg, tp) > 1)
+    weights = _bytes(params, leaf_shardings(params, specs, mesh, rules))
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
     head_kv = mtp_layers if num_drafts else 0
     state = lambda pages, slots, snaps=0: state_bytes_per_device(cfg, pages, page_size, slots, dtype, mesh,

@@ -9,14 +9,17 @@ ShardingRules, sglang-jax's kernel axes):
                                                           dense and expert intermediate dims)
   gdn_qkvz, gdn_ba, gdn_value, gdn_heads         -> tp   (Qwen3-Next's projections are grouped per key head,
   mamba_heads, mamba_inner                              the value side per value head)
+  mamba_in, mamba_conv                           -> tp   when tiled (`section_tiles`: Mamba2's z | x | B | C | dt
+                                                          sections stored so each device's block holds its
+                                                          heads and groups of every section, layers/sections.py)
+  experts                                        -> tp   with expert parallel (whole experts per device)
   everything else                                -> replicated: hidden, norms, the router, and the sectioned
-                                                    axes (gdn_qkv, gdn_conv, mamba_in, mamba_conv: q | k | v or
-                                                    z | xBC | dt laid end to end, so a contiguous split would
-                                                    cut sections; they need a per-section permutation first)
+                                                    axes not tiled (gdn_qkv, gdn_conv: q | k | v laid end to
+                                                    end, so a contiguous split would cut sections)
 
 The state follows the same heads: KV pages [P, page, KV heads, D] (the MTP head's too) by KV head, recurrent h
-pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; conv windows (sectioned channels), penalty
-history, sampling columns, LoRA pools replicated (`state_shardings`).
+pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; Mamba2 conv windows by channel when tiled; other
+conv windows (sectioned channels), penalty history, sampling columns, LoRA pools replicated (`state_shardings`).
 
 A dimension is split only when the mesh axis size divides it; `check_divides` refuses, naming the config
 field, the head and vocabulary counts that must divide tp.
@@ -24,21 +27,46 @@ field, the head and vocabulary counts that must divide tp.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..param_tree import path_of
+from ..config import MAMBA
+from ..layers.sections import tile
+from ..param_tree import path_of, replace_at
 
 TP = "tp"
 RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
                                "gdn_heads", "mamba_heads", "mamba_inner")}
-EXPERT_RULES = {**RULES, "experts": TP}      # expert parallel: the expert axis takes tp (an expert stays whole)
+EXPERT_RULES = {"experts": TP}              # expert parallel: the expert axis takes tp (an expert stays whole)
+TILED_RULES = {"mamba_in": TP, "mamba_conv": TP}   # sectioned axes stored tiled (section_tiles = tp)
 
 
-def rules_for(expert_parallel: bool) -> dict:
-    return EXPERT_RULES if expert_parallel else RULES
+def rules_for(expert_parallel: bool = False, tiled: bool = False) -> dict:
+    return {**RULES, **(EXPERT_RULES if expert_parallel else {}), **(TILED_RULES if tiled else {})}
+
+
+def section_tiles(cfg, tp: int) -> int:
+    """tp when every Mamba2 section splits into whole heads and groups over tp (the sectioned params are then
+    stored tiled and split, layers/sections.py); 1 otherwise (they stay replicated)."""
+    ok = cfg.mamba_num_heads and cfg.mamba_num_heads % tp == 0 and cfg.mamba_n_groups % tp == 0
+    return tp if tp > 1 and ok else 1
+
+
+def tile_params(params, specs, tiles: int):
+    """params with every sectioned leaf of the specs (ParamSpec.sections) in tiled order (layers/sections.tile)."""
+    for spec in specs:
+        if spec.sections and tiles > 1:
+            fn = jax.jit(functools.partial(tile, sections=spec.sections, tiles=tiles, axis=spec.sectioned_axis))
+            params = replace_at(params, [spec.path], fn)
+    return params
+
+
+def conv_split(cfg, tiles: int) -> tuple[bool, ...]:
+    """Per recurrent layer: its conv window pool is tiled and split by channel (Mamba2 layers when tiled)."""
+    return tuple(tiles > 1 and cfg.layer_types[i] == MAMBA for i in cfg.recurrent_layers)
 
 
 def check_devices(tensor_parallel_size: int, devices=None) -> list:
@@ -123,16 +151,20 @@ def kv_shardings(pools, mesh) -> tuple:
     return tuple((_by_head(k, 2, mesh), _by_head(v, 2, mesh)) for k, v in pools)
 
 
-def model_state_shardings(model, mesh):
-    """A ModelState of shardings: KV pools by KV head, h pools [S, R, H, Dk, Dv] by head, conv windows replicated."""
+def model_state_shardings(model, mesh, split_conv: tuple[bool, ...] = ()):
+    """A ModelState of shardings: KV pools by KV head, h pools [S, R, H, Dk, Dv] by head, conv windows
+    [S, R, C, K] replicated, or by channel where `split_conv` (per recurrent layer: tiled, `conv_split`) says."""
+    split_conv = split_conv or (False,) * len(model.ssm)
+    conv = lambda c, split: _by_head(c, 2, mesh) if split else replicated(mesh)
     return dataclasses.replace(model, kv=kv_shardings(model.kv, mesh),
-                               ssm=tuple((_by_head(h, 2, mesh), replicated(mesh)) for h, _ in model.ssm))
+                               ssm=tuple((_by_head(h, 2, mesh), conv(c, split))
+                                         for (h, c), split in zip(model.ssm, split_conv)))
 
 
-def state_shardings(state, mesh):
+def state_shardings(state, mesh, split_conv: tuple[bool, ...] = ()):
     """An EngineState-shaped tree of NamedShardings (module doc): what the state is placed with and kept at.
-    mesh: a Mesh, or an AbstractMesh for planning without devices (parallel/plan.py)."""
+    mesh: a Mesh, or an AbstractMesh for planning without devices (parallel/memory_plan.py)."""
     out = jax.tree.map(lambda _: replicated(mesh), state)
-    return dataclasses.replace(out, model=model_state_shardings(state.model, mesh),
+    return dataclasses.replace(out, model=model_state_shardings(state.model, mesh, split_conv),
                                draft_kv=kv_shardings(state.draft_kv, mesh),
                                snapshots=tuple((_by_head(h, 1, mesh), replicated(mesh)) for h, _ in state.snapshots))

@@ -39,7 +39,7 @@ write_random_checkpoint(qwen, {**TINY_RANDOM_CONFIG, "vocab_size": 512, "eos_tok
                                "linear_num_value_heads": 8, "linear_key_head_dim": 16, "linear_value_head_dim": 16})
 import hf_models
 nemo = os.path.join(root, "nemotron_h")
-hf_models.make_nemotron_h(nemo, blocks="M*E-", heads=4, kv_heads=2, mamba_heads=8, groups=2)
+hf_models.make_nemotron_h(nemo, blocks="M*E-", heads=4, kv_heads=2, mamba_heads=8, groups=4)
 kw = dict(kernels="xla", max_num_seqs=2, max_model_len=64, max_prefill_chunk=16, page_size=8, progress=False,
           compile_cache_dir="")
 greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
@@ -112,7 +112,8 @@ def test_params_are_split(results, family):
     for tp in (2, 4):
         r = results[f"{family}/{tp}"]
         assert len(r["split"]) > 10 and all(ok for _, ok in r["split"]), r["split"]
-        assert r["per_device"] < {2: 0.75, 4: 0.6}[tp], r["per_device"]          # most of the bytes are split
+        assert r["per_device"] < 1.1 / tp, r["per_device"]     # within 10% of total / tp (Mamba2's sectioned
+                                                                # in_proj / conv tiled and split too)
         assert r["state"] < {2: 0.7, 4: 0.9}[tp], r["state"]       # KV pages and h pools by head (KV heads 2:
                                                                     # replicated at tp 4)
     assert results[f"{family}/2"]["compiles_after_warmup"] == 0
