@@ -154,6 +154,9 @@ class ModelRunner:
             self.state = jax.device_put(self.state, self.state_sharding)
         self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
+        self.section_tiles = kernels.section_tiles      # adapters' B of tiled projections are tiled alike
+        self.tiled_sections = {".".join(map(str, s.path)): s.sections for s in config.param_specs()
+                               if s.sections and s.role == "proj"} if kernels.section_tiles > 1 else {}
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding),
                                 abstract, self.state)
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)

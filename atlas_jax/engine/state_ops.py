@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from ..layers.sections import tile
+
 from . import steps
 from .plan import LoadAdapter, LoadPrefix, Snapshot, StateOp, SwapIn, SwapOut
 
@@ -101,6 +103,9 @@ class StateOps:
         full = {key: tuple(jnp.asarray(w, jnp.float32) for w in weights[key]) if key in weights else
                 (jnp.zeros((a.shape[0], a.shape[2]), jnp.float32), jnp.zeros(b.shape[1:], jnp.float32))
                 for key, (a, b) in pool.items()}
+        for key, sections in self.runner.tiled_sections.items():       # outputs in the projection's tiled order
+            if key in full:
+                full[key] = (full[key][0], tile(full[key][1], sections, self.runner.section_tiles))
         self.runner._run("adapter", _i32(slot), full)
 
     # ---- abstract form (warm-up) -----------------------------------------------------------------

@@ -58,7 +58,10 @@ def adaptable_shapes(cfg: ModelConfig) -> dict[str, tuple[str, tuple[int, int]]]
         name = spec.hf_names[0]
         if spec.role == "proj":
             n_out, n_in = spec.hf_shape
-            out[name[:-len(".weight")]] = (".".join(map(str, spec.path)), (n_in, n_out))
+            module = name[:-len(".weight")]
+            out[module] = (".".join(map(str, spec.path)), (n_in, n_out))
+            if module.startswith("backbone."):   # transformers 5 names NemotronH's modules model.* (its files:
+                out["model." + module[len("backbone."):]] = out[module]    # backbone.*): peft saves those names
     return out
 
 

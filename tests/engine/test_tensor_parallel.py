@@ -70,6 +70,37 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
             "plan": planned_over_measured(llm, tp, ep, own),
             "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
         del llm
+# LoRA under tp (Qwen3-Next's GDN + attention projections; Nemotron-H's tiled Mamba2 in_proj: B tiled alike), and
+# a scripted drafter's verify steps (drafts from the one-device output, the second of each wrong: rejections)
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from atlas_jax import LoRARequest
+lora_targets = {"qwen3_next": r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkvz|in_proj_ba|out_proj))",
+                "nemotron_h": r"model\.layers\.\d+\.mixer\.(in_proj|q_proj|v_proj)"}
+prompts = [[1, 2, 3, 4, 5], [9, 8, 7]]
+for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
+    torch.manual_seed(3)
+    base = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    adapter = os.path.join(root, f"lora_{name}")
+    get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=lora_targets[name],
+                                    init_lora_weights=False)).save_pretrained(adapter)
+    ref = out[f"{name}/1"]["tokens"]
+    def propose(seq, k, ref=ref):
+        want = ref[0] if seq.prompt_ids == prompts[0] else ref[1]
+        n = len(seq.output_ids)
+        return [t if j == 0 else (t + 1) % 100 for j, t in enumerate(want[n:n + k])]      # the second is wrong
+    for tp in (1, 2):
+        llm = LLM(path, tensor_parallel_size=tp, enable_lora=True, max_loras=1, max_lora_rank=4, warmup=False, **kw)
+        lora = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy,
+                                                             lora_request=[LoRARequest("a", 1, adapter), None])]
+        del llm
+        llm = LLM(path, tensor_parallel_size=tp, speculative={"method": "scripted", "num_drafts": 2,
+                                                              "propose": propose}, warmup=False, **kw)
+        drafted = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+        out[f"{name}/lora_spec/{tp}"] = {"lora": lora, "spec": drafted, "accepted": llm.spec_stats()["accepted"],
+                                         "drafted": llm.spec_stats()["drafted"]}
+        del llm
 # the shipped model with its MTP head drafting: prefix caching (a second turn: prompt + reply + more hits), then
 # swap preemption (two rows growing in a 9-page pool: one is swapped out and back)
 prompt = [5, 17, 99, 3, 250, 12, 7, 64, 31, 8, 144, 2, 77, 301, 45, 9, 600, 21, 4, 88]
@@ -129,6 +160,15 @@ def test_expert_parallel(results, family):
         assert r["tokens"] == one
         assert r["experts_split"] and all(r["experts_split"]), r["experts_split"]
         assert not any(results[f"{family}/{tp}"]["experts_split"])     # tp alone splits each expert's F instead
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_lora_and_drafted_verify_under_tp(results, family):
+    one, two = results[f"{family}/lora_spec/1"], results[f"{family}/lora_spec/2"]
+    assert two["lora"] == one["lora"] and one["lora"][0] != results[f"{family}/1"]["tokens"][0]   # the adapter acts
+    assert two["lora"][1] == results[f"{family}/1"]["tokens"][1]                                  # the base row
+    assert two["spec"] == one["spec"] == results[f"{family}/1"]["tokens"][:2]
+    assert 0 < two["accepted"] < two["drafted"], two
 
 
 def test_memory_plan_matches_measured_bytes(results):
