@@ -18,6 +18,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels import resolve_kernels
 from ..frontend.tokenizer import Tokenizer
+from ..parallel.sharding import make_mesh, model_rules, param_shardings
 from ..weights import load_model_params
 from .args import EngineArgs
 from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
@@ -63,7 +64,12 @@ class LLM:
         self.cfg = ModelConfig.from_pretrained(self.model_path)
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
-        params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp)
+        placement = None
+        if a.tensor_parallel_size > 1:              # each device's shards read from the files alone
+            mesh = make_mesh(a.tensor_parallel_size)
+            rules = model_rules(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel))
+            placement = lambda specs: param_shardings(specs, mesh, rules)
+        params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp, placement)
         self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels, self.num_mtp_layers)
         self.max_model_len = self.config.max_model_len
         self.kernels = self.config.kernels

@@ -31,8 +31,8 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
-from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, rules_for, shard_params, state_shardings,
-                                 tile_params)
+from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, model_rules, shard_params,
+                                 state_shardings, tile_params)
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
@@ -79,7 +79,7 @@ def served_params(config, params, mtp_token_ids=None, mesh=None):
     served = prepare(params)
     check_params(served, abstract)
     if mesh is not None:
-        rules = rules_for(config.expert_parallel, config.kernels.section_tiles > 1)
+        rules = model_rules(config.model, config.tensor_parallel_size, config.expert_parallel)
         return shard_params(served, specs, mesh, rules), abstract_sharded(abstract, specs, mesh, rules)
     return served, abstract
 

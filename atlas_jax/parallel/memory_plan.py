@@ -21,7 +21,7 @@ from ..engine.sampling_params import BIAS_COLUMNS
 from ..models import family
 from ..models.layout import abstract_params
 from ..state.cache import state_shapes
-from .sharding import TP, conv_split, kv_shardings, leaf_shardings, model_state_shardings, rules_for, section_tiles
+from .sharding import TP, conv_split, kv_shardings, leaf_shardings, model_rules, model_state_shardings, section_tiles
 
 LIVE_INTERMEDIATES = 4          # activations: fp32 [tokens, widest] buffers assumed live at once
 
@@ -72,7 +72,7 @@ def plan(cfg: ModelConfig, dtype, tp: int = 1, expert_parallel: bool = False, mt
     mesh = AbstractMesh((tp,), (TP,))
     specs = family(cfg.model_type).param_specs(cfg, mtp_layers)
     params = abstract_params(specs, dtype)
-    rules = rules_for(expert_parallel and cfg.num_experts > 0, section_tiles(cfg, tp) > 1)
+    rules = model_rules(cfg, tp, expert_parallel)
     weights = _bytes(params, leaf_shardings(params, specs, mesh, rules))
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
     head_kv = mtp_layers if num_drafts else 0

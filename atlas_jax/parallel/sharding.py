@@ -48,6 +48,12 @@ def rules_for(expert_parallel: bool = False, tiled: bool = False) -> dict:
     return {**RULES, **(EXPERT_RULES if expert_parallel else {}), **(TILED_RULES if tiled else {})}
 
 
+def model_rules(cfg, tp: int, expert_parallel: bool = False) -> dict:
+    """The rules an engine of tensor_parallel_size tp places this model's params by (experts split by expert
+    when asked and the model has any; Mamba2's sectioned axes when they tile)."""
+    return rules_for(expert_parallel and cfg.num_experts > 0, section_tiles(cfg, tp) > 1)
+
+
 def section_tiles(cfg, tp: int) -> int:
     """tp when every Mamba2 section splits into whole heads and groups over tp (the sectioned params are then
     stored tiled and split, layers/sections.py); 1 otherwise (they stay replicated)."""

@@ -22,6 +22,16 @@ from atlas_jax.parallel.memory_plan import plan, state_bytes_per_device
 from jax.sharding import AbstractMesh
 
 
+from atlas_jax.weights import loader
+regions = []                         # (param path, region size / param size) of every shard the loader read
+_read_shard = loader.read_shard
+def recording(spec, index, get):
+    region = _read_shard(spec, index, get)
+    regions.append((spec.path, region.size / np.prod(spec.shape)))
+    return region
+loader.read_shard = recording
+
+
 def planned_over_measured(llm, tp, ep, own):
     # (plan's per-device weight bytes / measured, its state bytes / measured): KV, recurrent, MTP KV, snapshots
     r = llm.runner
@@ -47,7 +57,9 @@ seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 out = {}
 for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
     for tp, ep in ((1, False), (2, False), (4, False), (2, True), (4, True)):
+        regions.clear()
         llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, warmup=(tp == 2 and not ep), **kw)
+        embed_reads = [share for p, share in regions if p == ("embed",)]
         compiles = llm.num_compiles
         tokens = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3, 4, 5], [9, 8, 7]], greedy)]
         tokens += [llm.generate([3, 1, 4, 1, 5, 9, 2, 6], seeded)[0].outputs[0].token_ids]
@@ -67,7 +79,7 @@ for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
                    if path_of(keys)[-2:-1] == ("experts",)]
         out[f"{name}/{tp}" + ("/ep" if ep else "")] = {
             "tokens": tokens, "split": split, "per_device": own / total, "state": state, "experts_split": experts,
-            "plan": planned_over_measured(llm, tp, ep, own),
+            "plan": planned_over_measured(llm, tp, ep, own), "embed_reads": embed_reads,
             "compiles_after_warmup": llm.num_compiles - compiles if tp == 2 else 0}
         del llm
 # LoRA under tp (Qwen3-Next's GDN + attention projections; Nemotron-H's tiled Mamba2 in_proj: B tiled alike), and
@@ -148,6 +160,15 @@ def test_params_are_split(results, family):
         assert r["state"] < {2: 0.7, 4: 0.9}[tp], r["state"]       # KV pages and h pools by head (KV heads 2:
                                                                     # replicated at tp 4)
     assert results[f"{family}/2"]["compiles_after_warmup"] == 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+def test_loading_reads_each_shard_alone(results, family):
+    """Under tp the loader reads each device's region of a split param (here the vocab-split embedding: tp
+    regions of 1 / tp each), never the whole tensor; one device reads nothing region-wise."""
+    assert results[f"{family}/1"]["embed_reads"] == []
+    for tp in (2, 4):
+        assert results[f"{family}/{tp}"]["embed_reads"] == [1 / tp] * tp
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])

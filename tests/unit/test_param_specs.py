@@ -17,6 +17,7 @@ from atlas_jax.models import family
 from atlas_jax.models.layout import AXES, ROLES, abstract_params, check_params
 from atlas_jax.param_tree import get_path
 from atlas_jax.weights import load_params
+from atlas_jax.weights.loader import _tensor_files, read_shard
 
 MAKERS = {
     "qwen3": lambda p: hf_models.make_qwen3(p, attention_bias=True),
@@ -29,7 +30,7 @@ MAKERS = {
 
 @pytest.fixture(scope="module", params=[*MAKERS, "atlas_tiny_mtp"])
 def loaded(request, tmp_path_factory):
-    """(cfg, specs, params) of one family's checkpoint as the loader reads it (atlas-tiny: with its MTP head)."""
+    """(cfg, specs, params, path) of one family's checkpoint as the loader reads it (atlas-tiny: with its MTP head)."""
     if request.param == "atlas_tiny_mtp":
         path = default_model_path()
     else:
@@ -38,11 +39,11 @@ def loaded(request, tmp_path_factory):
     cfg = ModelConfig.from_pretrained(path)
     params, mtp_layers = load_params(path, cfg, jnp.float32)
     fused = request.param.endswith("fused")
-    return cfg, family(cfg.model_type).param_specs(cfg, mtp_layers, fused_experts=fused), params
+    return cfg, family(cfg.model_type).param_specs(cfg, mtp_layers, fused_experts=fused), params, path
 
 
 def test_every_leaf_is_described(loaded):
-    cfg, specs, params = loaded
+    cfg, specs, params, _ = loaded
     for spec in specs:
         assert spec.role in ROLES, spec
         assert len(spec.axes) == len(spec.shape) and set(spec.axes) <= AXES, spec
@@ -51,7 +52,7 @@ def test_every_leaf_is_described(loaded):
 
 
 def test_a_leaf_that_differs_is_named(loaded):
-    cfg, specs, params = loaded
+    cfg, specs, params, _ = loaded
     i = next(i for i, s in enumerate(specs) if s.role == "proj")
     wrong = list(specs)
     wrong[i] = dataclasses.replace(specs[i], hf_shape=(specs[i].hf_shape[0] + 1, specs[i].hf_shape[1]))
@@ -65,7 +66,7 @@ def test_a_leaf_that_differs_is_named(loaded):
 @pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler for the CPU kernels")
 def test_cpu_packing_follows_the_roles(loaded):
     from atlas_jax.engine.runner import prepared_params
-    cfg, specs, params = loaded
+    cfg, specs, params, _ = loaded
     packed = prepared_params(params, specs, CPU)
     for spec in specs:
         if spec.role == "experts":
@@ -77,3 +78,30 @@ def test_cpu_packing_follows_the_roles(loaded):
     assert prepared_params(params, specs, XLA) is params
     abstract = jax.eval_shape(lambda p: prepared_params(p, specs, CPU), abstract_params(specs, jnp.float32))
     check_params(packed, abstract)
+
+
+def test_a_shard_is_read_alone(loaded):
+    """read_shard (tensor-parallel loading: one device's region of a param from get_slice of its HF tensors)
+    equals that region of the param loaded whole, for every spec kind (linear, conv, per-expert stacks, fused
+    expert halves, plain), over regions that cut every axis; it never asks for more than the region."""
+    import numpy as np
+    from safetensors import safe_open
+    _, specs, params, path = loaded
+    files = _tensor_files(path)
+    rng = np.random.default_rng(0)
+    for spec in specs:
+        region = []
+        for n in spec.shape:
+            a = int(rng.integers(0, n))
+            region.append(slice(a, int(rng.integers(a + 1, n + 1))))
+        asked = []
+
+        def get(name, index):
+            with safe_open(files[name], framework="np") as f:
+                t = f.get_slice(name)[index]
+            asked.append(t.size)
+            return t
+        got = read_shard(spec, tuple(region), get)
+        want = np.asarray(get_path(params, spec.path))[tuple(region)]
+        np.testing.assert_array_equal(got, want, err_msg=str(spec.path))
+        assert sum(asked) == want.size, spec.path
