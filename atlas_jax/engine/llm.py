@@ -18,7 +18,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels import resolve_kernels
 from ..frontend.tokenizer import Tokenizer
-from ..parallel.sharding import make_mesh, model_rules, param_shardings
+from ..parallel.sharding import check_divides, make_mesh, model_rules, param_shardings
 from ..weights import load_model_params
 from .args import EngineArgs
 from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
@@ -65,7 +65,8 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
         placement = None
-        if a.tensor_parallel_size > 1:              # each device's shards read from the files alone
+        if type(a.tensor_parallel_size) is int and a.tensor_parallel_size > 1:   # shards read alone (EngineConfig checks the value)
+            check_divides(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel) and self.cfg.num_experts > 0)
             mesh = make_mesh(a.tensor_parallel_size)
             rules = model_rules(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel))
             placement = lambda specs: param_shardings(specs, mesh, rules)
