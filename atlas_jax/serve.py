@@ -125,6 +125,8 @@ def main(argv=None) -> None:
 
     logging.basicConfig(level=args.log_level.upper())
     llm = LLM.from_engine_args(engine_args, warmup=False)
+    if not llm.dist.leader:
+        return _follow(llm)
     from .weights.lora import LoRAError
     for req in lora_modules:
         try:
@@ -156,6 +158,21 @@ def main(argv=None) -> None:
         server.run()          # returns after the drain that SIGINT / SIGTERM starts
     finally:
         engine.shutdown()     # abort whatever is still in flight, stop the engine thread
+        llm.close()           # multi-host: the other ranks stop too
+
+
+def _follow(llm) -> None:
+    """A rank other than 0 (--node-rank R > 0): no HTTP; compile as rank 0 does, then run its steps until it
+    stops (exit 0), or exit 1 with the error when rank 0 is lost."""
+    log = logging.getLogger("atlas_jax")
+    llm.engine.warmup(progress=False, background=True)
+    log.info("rank %d of %d: following rank 0's steps", llm.dist.node_rank, llm.dist.nnodes)
+    try:
+        calls = llm.follow()
+    except Exception as e:                    # noqa: BLE001 — the service is over for this rank
+        log.error("rank %d: %s", llm.dist.node_rank, e)
+        raise SystemExit(1) from None
+    log.info("rank %d: rank 0 stopped after %d device calls", llm.dist.node_rank, calls)
 
 
 def default_allowed_hosts(bind: str) -> list[str]:

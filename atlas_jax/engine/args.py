@@ -26,6 +26,12 @@ class EngineArgs:
     enable_expert_parallel: bool = _knob(False, "split the routed experts by expert over the tensor-parallel devices "
                                          "(each runs its own experts on every token; the outputs are summed) instead "
                                          "of splitting each expert's intermediate dim")
+    nnodes: int = _knob(1, "processes (hosts) serving one model together; every rank runs the same steps, rank 0 "
+                        "schedules and serves HTTP (parallel/multihost.py)")
+    node_rank: int = _knob(0, "this process's rank among nnodes (0: the scheduler and HTTP server)")
+    dist_init_addr: str | None = _knob(None, "HOST:PORT of rank 0's coordination service (jax.distributed), "
+                                       "with nnodes > 1")
+    dist_timeout: int = _knob(60, "seconds a rank may go silent before every rank is ended (nnodes > 1)")
     page_size: int = _knob(16, "tokens per KV page")
     num_pages: int | None = _knob(None, "KV pages in the pool (default: every slot can reach max-model-len)")
     kv_cache_memory: float | None = _knob(None, "KV pool size in GiB, instead of num-pages (default: num-pages' "

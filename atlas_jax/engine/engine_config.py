@@ -6,14 +6,17 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
-from ..parallel.sharding import check_devices, check_divides, make_mesh, section_tiles
+from ..parallel.multihost import Distributed, check_agree, min_over_processes
+from ..parallel.sharding import check_devices, check_divides, make_mesh, section_tiles, uses_expert_parallel
 from ..state.cache import snapshot_slots
 from .args import EngineArgs
 from .scheduler import SchedulerConfig, default_watermark
-from .sizing import default_max_num_seqs, pages_for_memory
+from .sizing import default_max_num_seqs, free_memory_bytes, pages_for_memory
 from .speculative import SpeculativeConfig
 
 
@@ -54,6 +57,7 @@ class EngineConfig:
     mtp_layers: int = 0              # the checkpoint's MTP layers as loaded (param_specs' count; 0: no head)
     tensor_parallel_size: int = 1    # devices of the ("tp",) mesh (parallel/sharding.py)
     expert_parallel: bool = False    # routed experts split by expert over the mesh (kernels.expert_mesh is set)
+    dist: Distributed = Distributed()    # the processes serving together (parallel/multihost.py; one by default)
 
     def param_specs(self):
         """The loaded params' typed description (models/layout.py ParamSpec per leaf)."""
@@ -82,7 +86,11 @@ class EngineConfig:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         tp = a.tensor_parallel_size
-        expert_parallel = bool(a.enable_expert_parallel) and tp > 1 and cfg.num_experts > 0
+        expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel)
+        dist = Distributed(a.nnodes, a.node_rank, a.dist_init_addr, a.dist_timeout).check()
+        if dist.multihost and tp != jax.device_count():
+            raise ValueError(f"nnodes {dist.nnodes}: tensor_parallel_size must span every process's devices "
+                             f"({jax.device_count()} in all), got {tp}")
         if tp > 1:
             check_divides(cfg, tp, expert_parallel)
             check_devices(tp)
@@ -100,7 +108,8 @@ class EngineConfig:
                 raise ValueError("give num_pages or kv_cache_memory, not both")
             num_pages = pages_for_memory(cfg, dtype, a.page_size, a.kv_cache_memory)
         seqs = a.max_num_seqs or default_max_num_seqs(cfg, dtype, a.page_size, max_model_len, num_pages,
-                                                      1 + (spec.num_drafts if spec else 0))
+                                                      1 + (spec.num_drafts if spec else 0),
+                                                      min_over_processes("free_memory", free_memory_bytes()))
         per_seq = -(-max_model_len // a.page_size)
         num_pages = num_pages or seqs * per_seq
         cache = CacheConfig(a.page_size, num_pages, per_seq, seqs + bool(a.enable_prompt_logprobs),
@@ -114,5 +123,7 @@ class EngineConfig:
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
-        return cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
-                   mtp_layers, tp, expert_parallel)
+        config = cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
+                     mtp_layers, tp, expert_parallel, dist)
+        check_agree("engine configuration", repr(dataclasses.replace(config, dist=Distributed())))
+        return config

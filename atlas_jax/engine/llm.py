@@ -18,7 +18,8 @@ import numpy as np
 from ..config import ModelConfig
 from ..kernels import resolve_kernels
 from ..frontend.tokenizer import Tokenizer
-from ..parallel.sharding import check_divides, make_mesh, model_rules, param_shardings
+from ..parallel import multihost
+from ..parallel.sharding import check_divides, make_mesh, model_rules, param_shardings, uses_expert_parallel
 from ..weights import load_model_params
 from .args import EngineArgs
 from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
@@ -53,6 +54,8 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, progress: bool = True, **engine_args):
         self.args = a = EngineArgs(model=model, **engine_args)
+        self.dist = multihost.Distributed(a.nnodes, a.node_rank, a.dist_init_addr, a.dist_timeout)
+        multihost.initialize(self.dist)            # first: jax.distributed must join before any backend starts
         # the CPU custom calls and Pallas kernels are not partitioned: a split model runs the pure-XLA layers
         self.kernels = resolve_kernels("xla" if a.tensor_parallel_size != 1 and a.kernels == "auto" else a.kernels)
         enable_compile_cache(default_compile_cache_dir() if a.compile_cache_dir is None else a.compile_cache_dir)
@@ -66,7 +69,8 @@ class LLM:
         self.dtype = resolve_dtype(a.dtype)
         placement = None
         if type(a.tensor_parallel_size) is int and a.tensor_parallel_size > 1:   # shards read alone (EngineConfig checks the value)
-            check_divides(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel) and self.cfg.num_experts > 0)
+            check_divides(self.cfg, a.tensor_parallel_size,
+                          uses_expert_parallel(self.cfg, a.tensor_parallel_size, a.enable_expert_parallel))
             mesh = make_mesh(a.tensor_parallel_size)
             rules = model_rules(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel))
             placement = lambda specs: param_shardings(specs, mesh, rules)
@@ -88,6 +92,20 @@ class LLM:
     @property
     def num_compiles(self) -> int:
         return self.engine.num_compiles
+
+    # ---- multi-host (nnodes > 1: parallel/multihost.py) ---------------------------------------
+    def follow(self) -> int:
+        """On a rank other than 0: run rank 0's steps until its `close()`; returns the device calls run."""
+        return self.runner.follow()
+
+    def close(self) -> None:
+        """On rank 0 of a multi-host engine: stop the followers (no-op otherwise)."""
+        self.runner.close()
+
+    def _check_schedules(self) -> None:
+        if not self.dist.leader:
+            raise RuntimeError(f"rank {self.dist.node_rank} follows rank 0's steps (LLM.follow()); "
+                               f"requests go to rank 0")
 
     def reset_prefix_cache(self) -> None:
         self.engine.reset_prefix_cache()
@@ -142,6 +160,7 @@ class LLM:
             lora_request = [lora_request] * len(prompts)
         if len(lora_request) != len(prompts):
             raise ValueError(f"{len(lora_request)} LoRA requests for {len(prompts)} prompts")
+        self._check_schedules()
         reqs = []
         try:
             for p, sp, lr in zip(prompts, sampling_params, lora_request):
@@ -175,6 +194,7 @@ class LLM:
     def prompt_logits(self, prompt, chunk: int | None = None) -> np.ndarray:
         """fp32 logits [len(prompt), V] of every prompt position, computed through the paged
         cache in chunks of `chunk` tokens (default: max_prefill_chunk). Needs an idle engine."""
+        self._check_schedules()
         _, ids = self.engine.inputs.encode(prompt)
         chunk = chunk or self.engine.sched_config.max_prefill_chunk
         blocks, slots = self.engine.blocks, self.engine.slots

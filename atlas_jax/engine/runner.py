@@ -31,7 +31,8 @@ from ..layers.moe import pack_params
 from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
-from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, model_rules, shard_params,
+from ..parallel.multihost import STOP, CallChannel, host_args, to_host
+from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, model_rules, replicated, shard_params,
                                  state_shardings, tile_params)
 from ..state.cache import init_snapshots, init_state
 from . import steps
@@ -84,20 +85,21 @@ def served_params(config, params, mtp_token_ids=None, mesh=None):
     return served, abstract
 
 
-def _keeping_state(fn, sharding):
-    """fn whose returned state is constrained to `sharding` (what the next step's executable is compiled for)."""
+def _keeping_state(fn, sharding, out_sharding):
+    """fn whose returned state is constrained to `sharding` (what the next step's executable is compiled for)
+    and its outputs to `out_sharding` (replicated: any process reads them from its own devices)."""
     def run(params, state, *args):
         out, new = fn(params, state, *args)
-        return out, jax.lax.with_sharding_constraint(new, sharding)
+        return jax.lax.with_sharding_constraint(out, out_sharding), jax.lax.with_sharding_constraint(new, sharding)
     return run
 
 
 def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarray]:
     """Host arrays of the live rows: tokens, and (logprobs: some row asked) logprob, top_ids, top_logprobs."""
-    result = {"tokens": np.asarray(sampled.tokens)[live]}
+    result = {"tokens": to_host(sampled.tokens)[live]}
     if logprobs:
-        result.update(logprob=np.asarray(sampled.logprob)[live], top_ids=np.asarray(sampled.top_ids)[live],
-                      top_logprobs=np.asarray(sampled.top_logprobs)[live])
+        result.update(logprob=to_host(sampled.logprob)[live], top_ids=to_host(sampled.top_ids)[live],
+                      top_logprobs=to_host(sampled.top_logprobs)[live])
     return result
 
 
@@ -117,7 +119,7 @@ class Launched:
         self.runner.wait((self.sampled, self.runs))
         out = host_outputs(self.sampled, self.live, self.logprobs)
         if self.runs:
-            emitted, count = (np.asarray(x) for x in self.runs)
+            emitted, count = (to_host(x) for x in self.runs)
             out["emitted"], out["count"] = emitted[:self.verify_rows], count[:self.verify_rows]
         return out
 
@@ -157,13 +159,16 @@ class ModelRunner:
         self.section_tiles = kernels.section_tiles      # adapters' B of tiled projections are tiled alike
         self.tiled_sections = {".".join(map(str, s.path)): s.sections for s in config.param_specs()
                                if s.sections and s.role == "proj"} if kernels.section_tiles > 1 else {}
-        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding),
-                                abstract, self.state)
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding,
+                                             self.mesh), abstract, self.state)
+        dist = config.dist                           # rank 0 publishes every device call; the others follow it
+        self.channel = CallChannel() if dist.multihost else None
+        self.leader = dist.leader
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
-    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None) -> dict:
+    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None, mesh=None) -> dict:
         """kind -> jit(fn(params, state, *args)) with the state donated."""
         part = functools.partial
         fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
@@ -174,7 +179,7 @@ class ModelRunner:
                "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
                "adapter": steps.load_adapter}
         if state_sharding is not None:              # the state keeps its placement from step to step
-            fns = {kind: _keeping_state(fn, state_sharding) for kind, fn in fns.items()}
+            fns = {kind: _keeping_state(fn, state_sharding, replicated(mesh)) for kind, fn in fns.items()}
         return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
 
     def _init_lora_pool(self, lora, dtype) -> dict:
@@ -202,8 +207,33 @@ class ModelRunner:
         return any(x.is_deleted() for x in jax.tree.leaves(self.state))
 
     def _run(self, kind: str, *args):
+        if self.channel is not None:                 # every rank runs the same call on the same host arguments
+            args = host_args(args)
+            if self.leader:
+                self.channel.send(kind, args)
         out, self.state = self.exes.get(kind, args)(self.params, self.state, *args)
         return out
+
+    # ---- multi-host (parallel/multihost.py) ---------------------------------------------------
+    def follow(self) -> int:
+        """A rank other than 0: run rank 0's device calls, in its order, until it stops (`close`); returns
+        the calls run. Raises when rank 0 is gone."""
+        if self.channel is None or self.leader:
+            raise RuntimeError("follow() is for the ranks other than 0 of a multi-host engine")
+        calls = 0
+        while True:
+            kind, args = self.channel.receive()
+            if kind == STOP:
+                jax.block_until_ready(self.state)
+                return calls
+            self._run(kind, *args)
+            calls += 1
+
+    def close(self) -> None:
+        """Rank 0 of a multi-host engine: tell the followers to stop (they return from `follow`)."""
+        if self.channel is not None and self.leader:
+            self.channel.send(STOP)
+            self.channel = None
 
     # ---- steps ------------------------------------------------------------------------------
     def step(self, decode: list[RowInput], prefill: list[RowInput] = ()) -> dict[str, np.ndarray]:
@@ -289,14 +319,14 @@ class ModelRunner:
 
     def device_drafts(self, slot: int) -> np.ndarray:
         """MTP: the drafts slot's last step made, waiting on the device for its next verify row."""
-        return np.asarray(self.state.last_drafts[slot])
+        return to_host(self.state.last_drafts)[slot]
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
         """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""
         ((b, _),) = self.exes.choose("draft", ((bucket(len(rows)), 1),))
         caps_col = np.zeros((b,), np.int32)
         caps_col[:len(caps)] = caps
-        drafts = np.asarray(self._run("draft", self.batch.segment(rows, b, 1), caps_col))
+        drafts = to_host(self._run("draft", self.batch.segment(rows, b, 1), caps_col))
         self.step_counts["draft"] += 1
         return [[int(t) for t in drafts[i, :c]] for i, c in enumerate(caps)]
 
@@ -321,7 +351,7 @@ class ModelRunner:
             ((_, t),) = self.exes.choose("score", ((1, self.grid.prefill_shape(1, len(fed))[1]),))
             targets = np.zeros((1, t), np.int32)
             targets[0, :len(fed)] = ids[s + 1:s + 1 + len(fed)]
-            tok, top_ids, top_lp = jax.device_get(self._run("score", (self.batch.segment([row], 1, t),), targets))
+            tok, top_ids, top_lp = host_args(self._run("score", (self.batch.segment([row], 1, t),), targets))
             for j, target in enumerate(ids[s + 1:s + 1 + len(fed)]):
                 entries.append({target: float(tok[0, j]), **{int(i): float(v) for i, v in
                                                              zip(top_ids[0, j, :top], top_lp[0, j, :top])}})
@@ -332,7 +362,7 @@ class ModelRunner:
         """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
         t = bucket(max(len(r.tokens) for r in rows))
         (logits,) = self._run("logits", (self.batch.segment(rows, bucket(len(rows)), t),))
-        logits = np.asarray(logits)
+        logits = to_host(logits)
         return [logits[i, :len(r.tokens)] for i, r in enumerate(rows)]
 
     # ---- warm-up ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..layers.sections import tile
+from ..parallel.multihost import host_args
 
 from . import steps
 from .plan import LoadAdapter, LoadPrefix, Snapshot, StateOp, SwapIn, SwapOut
@@ -64,7 +65,7 @@ class StateOps:
         (kv per pool (k [n, ...], v [n, ...]), ssm per layer, in_prompt, out_count)."""
         run = self.runner._run
         chunks = [run("save_pages", ids) for ids in self._swap_chunks(pages, 0)]
-        chunks, slot_state = jax.device_get((chunks, run("save_slot", _i32(slot))))
+        chunks, slot_state = host_args((chunks, run("save_slot", _i32(slot))))
         kv = tuple(tuple(np.concatenate([ch[pool][j] for ch in chunks])[:len(pages)] for j in (0, 1))
                    for pool in range(len(chunks[0])))
         return (kv,) + tuple(slot_state)

@@ -48,10 +48,15 @@ def rules_for(expert_parallel: bool = False, tiled: bool = False) -> dict:
     return {**RULES, **(EXPERT_RULES if expert_parallel else {}), **(TILED_RULES if tiled else {})}
 
 
+def uses_expert_parallel(cfg, tp: int, asked: bool) -> bool:
+    """Whether the routed experts are split by expert: asked, over more than one device, and the model has any."""
+    return bool(asked) and tp > 1 and cfg.num_experts > 0
+
+
 def model_rules(cfg, tp: int, expert_parallel: bool = False) -> dict:
     """The rules an engine of tensor_parallel_size tp places this model's params by (experts split by expert
     when asked and the model has any; Mamba2's sectioned axes when they tile)."""
-    return rules_for(expert_parallel and cfg.num_experts > 0, section_tiles(cfg, tp) > 1)
+    return rules_for(uses_expert_parallel(cfg, tp, expert_parallel), section_tiles(cfg, tp) > 1)
 
 
 def section_tiles(cfg, tp: int) -> int:
