@@ -123,7 +123,7 @@ def main(argv=None) -> None:
     from .server.app import build_app
     from .server.connections import protocol_class, raise_fd_limit
 
-    logging.basicConfig(level=args.log_level.upper())
+    _configure_logging(args.log_level)
     llm = LLM.from_engine_args(engine_args, warmup=False)
     if not llm.dist.leader:
         return _follow(llm)
@@ -159,6 +159,19 @@ def main(argv=None) -> None:
     finally:
         engine.shutdown()     # abort whatever is still in flight, stop the engine thread
         llm.close()           # multi-host: the other ranks stop too
+
+
+def _configure_logging(level: str) -> None:
+    """The atlas_jax logger at `level` on stderr (its own handler: jax's imports leave the root logger
+    configured at WARNING, so basicConfig alone would drop warm-up progress and rank messages)."""
+    logging.basicConfig(level=level.upper())
+    log = logging.getLogger("atlas_jax")
+    log.setLevel(level.upper())
+    if not log.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
 
 
 def _follow(llm) -> None:

@@ -203,8 +203,15 @@ class ModelRunner:
 
     def state_lost(self) -> bool:
         """True when a step consumed the donated state without returning a new one (it failed on the
-        device): the engine cannot go on. False after a failure in host-side preparation."""
-        return any(x.is_deleted() for x in jax.tree.leaves(self.state))
+        device, or returned it in error): the engine cannot go on. False after a failure in host-side
+        preparation (called on failure paths only: it waits for the state)."""
+        if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+            return True
+        try:                          # a step that failed on the device (e.g. a lost peer) left its outputs in error
+            jax.block_until_ready(self.state)
+        except Exception:             # noqa: BLE001
+            return True
+        return False
 
     def _run(self, kind: str, *args):
         if self.channel is not None:                 # every rank runs the same call on the same host arguments
