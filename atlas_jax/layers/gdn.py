@@ -12,7 +12,8 @@ kernels (`kernels.pallas`) the recurrence runs in pallas_kernels/gdn.py under th
 and with `kernels.cpu` every chunk runs cpu_kernels/gdn_recurrent.cc (same contract): token by token
 with each head's state in L1 is ~10x cheaper on a CPU than the chunked form's small XLA ops.
 `mix` is the sequence-local part both mixers share: causal conv (+ conv state), the recurrence, and
-the state pools' write-back.
+the state pools' write-back. Under tensor parallel the conv channels q | k | v (and Qwen3.5's in_proj_qkv
+outputs) are tiled (`kernels.section_tiles`, layers/sections.py): each device holds its own heads of each.
 """
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ from ..batch import join_segments, split_segments
 from ..kernels import XLA, Kernels
 from .lora import project
 from .norms import l2_normalize, rms_norm_gated
+from .sections import split_tiled
 
 CHUNK = 64
 RECURRENT_MAX_T = 16   # chunks up to this many tokens use the token-by-token form
@@ -249,6 +251,12 @@ def mix(mixed, ssm, batch, conv_w, prepare, kernels: Kernels = XLA, conv_b=None,
     return o, v, (h_pool, write(conv_pool, batch, _after(window, o)))
 
 
+def qkv_sections(cfg) -> tuple[int, int, int]:
+    """The conv channels' sections (and Qwen3.5's in_proj_qkv outputs): all q | all k | all v heads."""
+    hk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    return hk * dk, hk * dk, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+
+
 def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     """GDN's mix: mixed [B, T, C] (q|k|v before the conv); a_gate, b_gate [B, T, Hv].
     Returns (o [B, T, Hv, Dv] fp32, ssm)."""
@@ -257,7 +265,7 @@ def gdn_mix(mixed, a_gate, b_gate, ssm, batch, p, cfg, kernels: Kernels = XLA):
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
 
     def prepare(y):
-        q, k, v = jnp.split(y, [hk * dk, 2 * hk * dk], axis=-1)
+        q, k, v = split_tiled(y, qkv_sections(cfg), kernels.section_tiles)
         q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
         k = l2_normalize(k.reshape(b, t, hk, dk))
         beta = jax.nn.sigmoid(b_gate.astype(jnp.float32))
@@ -284,7 +292,8 @@ def gdn_layer(p, x, ssm, segments, cfg, kernels: Kernels = XLA, slot=None):
         q, k, v, z = jnp.split(qkvz, [dk, 2 * dk, 2 * dk + r * dv], axis=-1)
         ba = project(x, p, "ba", slot).reshape(n, hk, 2 * r)
         b_gate, a_gate = ba[..., :r].reshape(n, hv), ba[..., r:].reshape(n, hv)
-        mixed = jnp.concatenate([q.reshape(n, -1), k.reshape(n, -1), v.reshape(n, -1)], axis=-1)
+        tiles = kernels.section_tiles                # q | k | v in the conv's (tiled) channel order
+        mixed = jnp.concatenate([a.reshape(n, tiles, -1) for a in (q, k, v)], axis=-1).reshape(n, -1)
     else:
         mixed, z, b_gate, a_gate = (project(x, p, name, slot) for name in ("qkv", "z", "b", "a"))
     outs = []

@@ -9,17 +9,18 @@ ShardingRules, sglang-jax's kernel axes):
                                                           dense and expert intermediate dims)
   gdn_qkvz, gdn_ba, gdn_value, gdn_heads         -> tp   (Qwen3-Next's projections are grouped per key head,
   mamba_heads, mamba_inner                              the value side per value head)
-  mamba_in, mamba_conv                           -> tp   when tiled (`section_tiles`: Mamba2's z | x | B | C | dt
-                                                          sections stored so each device's block holds its
-                                                          heads and groups of every section, layers/sections.py)
+  mamba_in, mamba_conv, gdn_qkv, gdn_conv        -> tp   when tiled (`section_tiles`: Mamba2's z | x | B | C | dt
+                                                          and GDN's q | k | v sections stored so each device's
+                                                          block holds its heads and groups of every section,
+                                                          layers/sections.py)
   experts                                        -> tp   with expert parallel (whole experts per device)
   everything else                                -> replicated: hidden, norms, the router, and the sectioned
-                                                    axes not tiled (gdn_qkv, gdn_conv: q | k | v laid end to
-                                                    end, so a contiguous split would cut sections)
+                                                    axes when their heads do not divide tp (a contiguous split
+                                                    would cut sections)
 
 The state follows the same heads: KV pages [P, page, KV heads, D] (the MTP head's too) by KV head, recurrent h
-pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; Mamba2 conv windows by channel when tiled; other
-conv windows (sectioned channels), penalty history, sampling columns, LoRA pools replicated (`state_shardings`).
+pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; conv windows by channel when tiled; untiled conv
+windows, the snapshots' conv windows, penalty history, sampling columns, LoRA pools replicated (`state_shardings`).
 
 A dimension is split only when the mesh axis size divides it; `check_divides` refuses, naming the config
 field, the head and vocabulary counts that must divide tp.
@@ -33,7 +34,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from ..config import MAMBA
+from ..config import LINEAR_ATTENTION, MAMBA
 from ..layers.sections import tile
 from ..param_tree import path_of, replace_at
 
@@ -41,7 +42,7 @@ TP = "tp"
 RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
                                "gdn_heads", "mamba_heads", "mamba_inner")}
 EXPERT_RULES = {"experts": TP}              # expert parallel: the expert axis takes tp (an expert stays whole)
-TILED_RULES = {"mamba_in": TP, "mamba_conv": TP}   # sectioned axes stored tiled (section_tiles = tp)
+TILED_RULES = {"mamba_in": TP, "mamba_conv": TP, "gdn_qkv": TP, "gdn_conv": TP}   # stored tiled (section_tiles = tp)
 
 
 def rules_for(expert_parallel: bool = False, tiled: bool = False) -> dict:
@@ -60,10 +61,14 @@ def model_rules(cfg, tp: int, expert_parallel: bool = False) -> dict:
 
 
 def section_tiles(cfg, tp: int) -> int:
-    """tp when every Mamba2 section splits into whole heads and groups over tp (the sectioned params are then
-    stored tiled and split, layers/sections.py); 1 otherwise (they stay replicated)."""
-    ok = cfg.mamba_num_heads and cfg.mamba_num_heads % tp == 0 and cfg.mamba_n_groups % tp == 0
-    return tp if tp > 1 and ok else 1
+    """tp when the model has sectioned axes (Mamba2's, GDN's q | k | v) and every section splits into whole heads
+    and groups over tp (the sectioned params are then stored tiled and split, layers/sections.py); 1 otherwise
+    (they stay replicated)."""
+    types = set(cfg.layer_types)
+    mamba = MAMBA not in types or (cfg.mamba_num_heads % tp == 0 and cfg.mamba_n_groups % tp == 0)
+    gdn = LINEAR_ATTENTION not in types or (cfg.linear_num_key_heads % tp == 0
+                                            and cfg.linear_num_value_heads % tp == 0)
+    return tp if tp > 1 and types & {MAMBA, LINEAR_ATTENTION} and mamba and gdn else 1
 
 
 def tile_params(params, specs, tiles: int):
@@ -76,8 +81,8 @@ def tile_params(params, specs, tiles: int):
 
 
 def conv_split(cfg, tiles: int) -> tuple[bool, ...]:
-    """Per recurrent layer: its conv window pool is tiled and split by channel (Mamba2 layers when tiled)."""
-    return tuple(tiles > 1 and cfg.layer_types[i] == MAMBA for i in cfg.recurrent_layers)
+    """Per recurrent layer: its conv window pool is tiled and split by channel (Mamba2 and GDN layers when tiled)."""
+    return tuple(tiles > 1 and cfg.layer_types[i] in (MAMBA, LINEAR_ATTENTION) for i in cfg.recurrent_layers)
 
 
 def check_devices(tensor_parallel_size: int, devices=None) -> list:

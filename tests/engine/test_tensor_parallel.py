@@ -1,5 +1,5 @@
 """Tensor parallel on 4 virtual CPU devices (a child process: the device count is fixed when jax starts):
-greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next and Nemotron-H, the params and
+greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next, Nemotron-H and Qwen3.5-MoE, the params and
 state really split by the sharding rules (each split leaf's shard holds 1 / tp of it), no compile after warm-up."""
 import json
 import os
@@ -50,12 +50,14 @@ write_random_checkpoint(qwen, {**TINY_RANDOM_CONFIG, "vocab_size": 512, "eos_tok
 import hf_models
 nemo = os.path.join(root, "nemotron_h")
 hf_models.make_nemotron_h(nemo, blocks="M*E-", heads=4, kv_heads=2, mamba_heads=8, groups=4)
+qwen35 = os.path.join(root, "qwen3_5_moe")       # separate in_proj_qkv (tiled q | k | v), fused experts, vision-wrapped
+hf_models.make_qwen3_5(qwen35, moe=True, fused_experts=True, vision=True, k_heads=4, v_heads=8, dk=16, dv=16)
 kw = dict(kernels="xla", max_num_seqs=2, max_model_len=64, max_prefill_chunk=16, page_size=8, progress=False,
           compile_cache_dir="")
 greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 seeded = SamplingParams(max_tokens=8, temperature=1.0, seed=7, ignore_eos=True)
 out = {}
-for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo)):
+for name, path in (("qwen3_next", qwen), ("nemotron_h", nemo), ("qwen3_5_moe", qwen35)):
     for tp, ep in ((1, False), (2, False), (4, False), (2, True), (4, True)):
         regions.clear()
         llm = LLM(path, tensor_parallel_size=tp, enable_expert_parallel=ep, warmup=(tp == 2 and not ep), **kw)
@@ -134,6 +136,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
+FAMILIES = ["qwen3_next", "nemotron_h", "qwen3_5_moe"]
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     env = {**os.environ, "TESTS_DIR": os.path.dirname(os.path.dirname(__file__)), "JAX_PLATFORMS": "cpu"}
@@ -144,25 +149,25 @@ def results(tmp_path_factory):
     return json.loads(line[len("RESULT "):])
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_tokens_equal_one_device(results, family):
     one = results[f"{family}/1"]["tokens"]
     assert results[f"{family}/2"]["tokens"] == one and results[f"{family}/4"]["tokens"] == one
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_params_are_split(results, family):
     for tp in (2, 4):
         r = results[f"{family}/{tp}"]
         assert len(r["split"]) > 10 and all(ok for _, ok in r["split"]), r["split"]
         assert r["per_device"] < 1.1 / tp, r["per_device"]     # within 10% of total / tp (Mamba2's sectioned
-                                                                # in_proj / conv tiled and split too)
+                                                                # in_proj / conv and GDN's q | k | v tiled and split too)
         assert r["state"] < {2: 0.7, 4: 0.9}[tp], r["state"]       # KV pages and h pools by head (KV heads 2:
                                                                     # replicated at tp 4)
     assert results[f"{family}/2"]["compiles_after_warmup"] == 0
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_loading_reads_each_shard_alone(results, family):
     """Under tp the loader reads each device's region of a split param (here the vocab-split embedding: tp
     regions of 1 / tp each), never the whole tensor; one device reads nothing region-wise."""
@@ -171,7 +176,7 @@ def test_loading_reads_each_shard_alone(results, family):
         assert results[f"{family}/{tp}"]["embed_reads"] == [1 / tp] * tp
 
 
-@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_expert_parallel(results, family):
     """Experts split by expert (whole experts per device: the shard's leading axis is E / tp), tokens equal
     one device's (a dropped psum of the shards' partial sums changes them)."""
@@ -202,7 +207,7 @@ def test_memory_plan_matches_measured_bytes(results):
             if ratio is not None:
                 assert abs(ratio - 1) < 0.02, (key, r["plan"])
                 checked += 1
-    assert checked >= 2 * 10 + 2
+    assert checked >= len(FAMILIES) * 10 + 2
 
 
 def test_mtp_prefix_cache_and_swap_under_tp(results):
