@@ -6,6 +6,8 @@
 #   bench_kernels  scripts/bench_kernels.py: each kernel's GB/s or TFLOP/s beside XLA and the copy bandwidth
 #   bench          scripts/bench.py on the Qwen3-Next-shaped bench model in bf16: decode tokens/s at batch
 #                  1 / 8 / 32 / 128, prefill tokens/s, achieved GB/s against the measured copy bandwidth
+#   tp             scripts/tp_check.py: with more than one device, tensor parallel over all of them (tokens
+#                  against one device, bench-model decode tokens/s side by side); skipped on one device
 # Then one JSON object (every stage's rc / seconds / pytest summary and both benchmarks' JSON) goes to
 # $OUT/gpu_check.json and is printed as the last line.
 # Never installs from a package index: missing modules are installed from wheels carried in .whl/
@@ -60,6 +62,7 @@ if [ "$compiled" = 1 ]; then
 else
   stage bench 170 $PY scripts/bench.py --make qwen3-next-12l --batch 1,2 --prompt 32 --new 4
 fi
+stage tp 150 $PY scripts/tp_check.py $([ "$compiled" = 0 ] && echo "--new 4 --batch 2")
 
 $PY - "$OUT" "${STAGES[@]}" <<'PY' | tee "$OUT/gpu_check.json"
 import json, os, re, sys
