@@ -96,6 +96,19 @@ def test_tensor_parallel_size_is_checked(tiny_model_path, tp, message):
         LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", tensor_parallel_size=tp)
 
 
+@pytest.mark.parametrize("kw,message", [
+    ({"nnodes": 2}, "nnodes 2 needs dist_init_addr HOST:PORT"),
+    ({"nnodes": 2, "dist_init_addr": "nohost"}, "needs dist_init_addr HOST:PORT"),
+    ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "127.0.0.1:1"}, r"node_rank must be in \[0, nnodes = 2\)"),
+    ({"nnodes": 0}, "nnodes must be a positive integer"),
+    ({"dist_timeout": 0}, "dist_timeout must be a positive integer")])
+def test_multihost_arguments_are_checked_before_joining(tiny_model_path, kw, message):
+    """A bad multi-host layout is refused before jax.distributed is contacted (the join itself:
+    tests/server/test_multihost.py)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", **kw)
+
+
 @pytest.mark.parametrize("cli", ["atlas_jax.serve", "atlas_jax.generate"])
 def test_help_lists_every_engine_flag(cli):
     """--help renders (a help text with '%' once crashed argparse) and names every EngineArgs flag."""
