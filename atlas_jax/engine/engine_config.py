@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-
 from ..config import ModelConfig
 from ..kernels import Kernels
 from ..models import family
@@ -88,9 +86,7 @@ class EngineConfig:
         tp = a.tensor_parallel_size
         expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel)
         dist = Distributed(a.nnodes, a.node_rank, a.dist_init_addr, a.dist_timeout).check()
-        if dist.multihost and tp != jax.device_count():
-            raise ValueError(f"nnodes {dist.nnodes}: tensor_parallel_size must span every process's devices "
-                             f"({jax.device_count()} in all), got {tp}")
+        dist.check_spans(tp)
         if tp > 1:
             check_divides(cfg, tp, expert_parallel)
             check_devices(tp)
@@ -118,7 +114,7 @@ class EngineConfig:
         sched = SchedulerConfig(
             max_num_seqs=seqs, max_num_batched_tokens=a.max_num_batched_tokens or max(512, a.max_prefill_chunk),
             max_prefill_chunk=a.max_prefill_chunk, max_prefill_rows=a.max_prefill_rows,
-            preemption_mode=a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
+            preemption_mode="recompute" if dist.multihost else a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
             watermark_pages=default_watermark(num_pages), num_drafts=spec.num_drafts if spec else 0,
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
             max_model_len=max_model_len)

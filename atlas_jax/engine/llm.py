@@ -71,6 +71,7 @@ class LLM:
         if type(a.tensor_parallel_size) is int and a.tensor_parallel_size > 1:   # shards read alone (EngineConfig checks the value)
             check_divides(self.cfg, a.tensor_parallel_size,
                           uses_expert_parallel(self.cfg, a.tensor_parallel_size, a.enable_expert_parallel))
+            self.dist.check_spans(a.tensor_parallel_size)
             mesh = make_mesh(a.tensor_parallel_size)
             rules = model_rules(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel))
             placement = lambda specs: param_shardings(specs, mesh, rules)

@@ -163,7 +163,7 @@ class ModelRunner:
                                              self.mesh), abstract, self.state)
         dist = config.dist                           # rank 0 publishes every device call; the others follow it
         self.channel = CallChannel() if dist.multihost else None
-        self.leader = dist.leader
+        self.leader, self._following, self._diverged = dist.leader, False, False
         self.wait_seconds = 0.0                      # blocked on the device's step outputs (fetch, verify)
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
@@ -205,7 +205,7 @@ class ModelRunner:
         """True when a step consumed the donated state without returning a new one (it failed on the
         device, or returned it in error): the engine cannot go on. False after a failure in host-side
         preparation (called on failure paths only: it waits for the state)."""
-        if any(x.is_deleted() for x in jax.tree.leaves(self.state)):
+        if self._diverged or any(x.is_deleted() for x in jax.tree.leaves(self.state)):
             return True
         try:                          # a step that failed on the device (e.g. a lost peer) left its outputs in error
             jax.block_until_ready(self.state)
@@ -214,11 +214,20 @@ class ModelRunner:
         return False
 
     def _run(self, kind: str, *args):
-        if self.channel is not None:                 # every rank runs the same call on the same host arguments
-            args = host_args(args)
-            if self.leader:
-                self.channel.send(kind, args)
-        out, self.state = self.exes.get(kind, args)(self.params, self.state, *args)
+        if self.channel is None:
+            out, self.state = self.exes.get(kind, args)(self.params, self.state, *args)
+            return out
+        if not (self.leader or self._following):
+            raise RuntimeError("a rank other than 0 runs only rank 0's device calls (follow())")
+        args = host_args(args)                       # every rank runs the same call on the same host arguments
+        exe = self.exes.get(kind, args)              # compiled before it is published: a failed compile is contained
+        if self.leader:
+            self.channel.send(kind, args)
+        try:
+            out, self.state = exe(self.params, self.state, *args)
+        except BaseException:
+            self._diverged = True                    # the followers ran it: nothing after this is contained
+            raise
         return out
 
     # ---- multi-host (parallel/multihost.py) ---------------------------------------------------
@@ -227,20 +236,22 @@ class ModelRunner:
         the calls run. Raises when rank 0 is gone."""
         if self.channel is None or self.leader:
             raise RuntimeError("follow() is for the ranks other than 0 of a multi-host engine")
-        calls = 0
-        while True:
-            kind, args = self.channel.receive()
-            if kind == STOP:
-                jax.block_until_ready(self.state)
-                return calls
-            self._run(kind, *args)
-            calls += 1
+        calls, self._following = 0, True
+        try:
+            while True:
+                kind, args = self.channel.receive()
+                if kind == STOP:
+                    jax.block_until_ready(self.state)
+                    return calls
+                self._run(kind, *args)
+                calls += 1
+        finally:
+            self._following = False
 
     def close(self) -> None:
         """Rank 0 of a multi-host engine: tell the followers to stop (they return from `follow`)."""
-        if self.channel is not None and self.leader:
-            self.channel.send(STOP)
-            self.channel = None
+        if self.channel is not None and self.leader and not self.channel.closed:
+            self.channel.send(STOP)                  # later sends raise (CallChannel.closed)
 
     # ---- steps ------------------------------------------------------------------------------
     def step(self, decode: list[RowInput], prefill: list[RowInput] = ()) -> dict[str, np.ndarray]:

@@ -32,9 +32,9 @@ def page_bytes(cfg: ModelConfig, dtype, page_size: int) -> int:
 
 
 def free_memory_bytes(device=None) -> int:
-    """Bytes the engine's pools may still take on `device` (default: the first): the allocator's limit less
+    """Bytes the engine's pools may still take on `device` (default: this process's first): the allocator's limit less
     what is in use on an accelerator, the available RAM on CPU."""
-    device = device or jax.devices()[0]
+    device = device or jax.local_devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))

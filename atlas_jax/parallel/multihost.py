@@ -11,16 +11,20 @@ Outputs a host reads (sampled tokens, logprobs, drafts, swapped pages) are repli
 step (`runner._keeping_state`), so rank 0 reads its own copy (`to_host`) with no collective of its own.
 
 Failure: a rank that dies breaks the collectives of the step in flight (an error on the others at once) and
-stops sending heartbeats; the coordination service then ends every process after `dist_timeout` seconds
-(JAX logs "Terminating process because the JAX distributed service detected fatal errors"). A follower whose
-rank 0 is gone fails its next read the same way. Rank 0's `close()` sends STOP: the followers return.
+stops sending heartbeats; the coordination service then ends every other process (SIGABRT, JAX logging
+"Terminating process because the JAX distributed service detected fatal errors") within `dist_timeout`
+seconds; a follower whose rank 0 (the coordination service's host) dies is ended the same way. Rank 0's
+`close()` sends STOP: the followers return. Preemption is by recompute (a swapped sequence's KV would
+otherwise travel through the key-value store on every swap-in).
 The key-value store is the cluster's: keep the coordinator port private (calls are pickled).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import pickle
+import threading
 import time
 
 import jax
@@ -31,7 +35,9 @@ log = logging.getLogger("atlas_jax.parallel")
 PREFIX = "atlas_jax/call"
 STOP = "__stop__"
 PART_BYTES = 1 << 20             # a call's pickle is stored in parts of at most this many bytes
-KEEP_CALLS = 1024                # rank 0 deletes a call this many calls later (followers are at most a few behind)
+KEEP_CALLS = 1024                # rank 0 deletes a call this many calls later ...
+ACK_EVERY = KEEP_CALLS // 2      # ... and every this many calls waits until each follower has read that far back
+_ENGINES = itertools.count()     # engines made in this process: every rank makes them in the same order
 POLL_MS = 1000                   # a follower's blocking read wakes this often to see whether rank 0 is gone
 
 
@@ -63,6 +69,12 @@ class Distributed:
                 raise ValueError(f"nnodes {self.nnodes} needs dist_init_addr HOST:PORT (rank 0's address), "
                                  f"got {self.dist_init_addr!r}")
         return self
+
+    def check_spans(self, tensor_parallel_size: int) -> None:
+        """ValueError unless the mesh takes every process's devices (each process must own a part of it)."""
+        if self.multihost and tensor_parallel_size != jax.device_count():
+            raise ValueError(f"nnodes {self.nnodes}: tensor_parallel_size must span every process's devices "
+                             f"({jax.device_count()} in all), got {tensor_parallel_size}")
 
 
 def initialize(dist: Distributed) -> None:
@@ -109,25 +121,43 @@ def host_args(args):
 
 class CallChannel:
     """Rank 0 -> the other ranks: every device call, in order, through the coordination service's key-value
-    store. `send_seconds` / `calls`: rank 0's time spent publishing and the calls published."""
+    store, under this engine's own key prefix. Followers acknowledge every ACK_EVERY-th call, and rank 0 waits
+    for those acknowledgements before it deletes older calls, so no follower can miss one. `send_seconds` /
+    `calls`: rank 0's time spent publishing and the calls published. After `close` a send raises."""
 
     def __init__(self):
         self.client = _client()
+        self.prefix = f"{PREFIX}/{next(_ENGINES)}"
         self.seq = 0
         self.send_seconds = 0.0
+        self.closed = False
+        self._lock = threading.Lock()            # the engine thread's sends vs close from another thread
 
     def send(self, kind: str, args=()) -> None:
-        t0 = time.perf_counter()
+        with self._lock:
+            if self.closed:
+                raise RuntimeError("this multi-host engine is closed: its followers have stopped")
+            t0 = time.perf_counter()
+            self._publish(kind, args)
+            self.send_seconds += time.perf_counter() - t0
+            if kind == STOP:
+                self.closed = True
+
+    def _publish(self, kind: str, args) -> None:
         blob = pickle.dumps((kind, args), protocol=pickle.HIGHEST_PROTOCOL)
         parts = [blob[i:i + PART_BYTES] for i in range(0, len(blob), PART_BYTES)] or [b""]
-        key = f"{PREFIX}/{self.seq}"
+        key = f"{self.prefix}/{self.seq}"
         for i, part in enumerate(parts[1:], 1):           # the parts first: the head's arrival means all are there
             self.client.key_value_set_bytes(f"{key}/{i}", part)
         self.client.key_value_set_bytes(key, len(parts).to_bytes(4, "little") + parts[0])
+        if self.seq >= ACK_EVERY and self.seq % ACK_EVERY == 0:     # every follower has read call seq - ACK_EVERY
+            for rank in range(1, jax.process_count()):
+                ack = f"{self.prefix}/ack/{rank}/{self.seq - ACK_EVERY}"
+                self.client.blocking_key_value_get(ack, 3_600_000)
+                self.client.key_value_delete(ack)
         if self.seq >= KEEP_CALLS:
-            self.client.key_value_delete(f"{PREFIX}/{self.seq - KEEP_CALLS}")
+            self.client.key_value_delete(f"{self.prefix}/{self.seq - KEEP_CALLS}")
         self.seq += 1
-        self.send_seconds += time.perf_counter() - t0
 
     @property
     def calls(self) -> int:
@@ -135,7 +165,7 @@ class CallChannel:
 
     def receive(self):
         """The next call (kind, args), waiting for it as long as rank 0 lives."""
-        key = f"{PREFIX}/{self.seq}"
+        key = f"{self.prefix}/{self.seq}"
         while True:
             try:
                 head = self.client.blocking_key_value_get_bytes(key, POLL_MS)
@@ -146,8 +176,13 @@ class CallChannel:
         n = int.from_bytes(head[:4], "little")
         blob = head[4:] + b"".join(self.client.blocking_key_value_get_bytes(f"{key}/{i}", POLL_MS * 10)
                                    for i in range(1, n))
+        if self.seq % ACK_EVERY == 0:
+            self.client.key_value_set(f"{self.prefix}/ack/{jax.process_index()}/{self.seq}", "1")
         self.seq += 1
         return pickle.loads(blob)
+
+
+_agreements: dict[str, int] = {}     # name -> agreements made so far (every rank makes them in the same order)
 
 
 def min_over_processes(name: str, value: int) -> int:
@@ -155,8 +190,9 @@ def min_over_processes(name: str, value: int) -> int:
     if jax.process_count() == 1:
         return value
     client, me = _client(), jax.process_index()
-    client.key_value_set(f"atlas_jax/min/{name}/{me}", str(int(value)))
-    return min(int(client.blocking_key_value_get(f"atlas_jax/min/{name}/{r}", 600_000))
+    n = _agreements[name] = _agreements.get(name, -1) + 1          # the n-th such agreement of this process
+    client.key_value_set(f"atlas_jax/min/{name}/{n}/{me}", str(int(value)))
+    return min(int(client.blocking_key_value_get(f"atlas_jax/min/{name}/{n}/{r}", 600_000))
                for r in range(jax.process_count()))
 
 
@@ -164,7 +200,8 @@ def check_agree(name: str, text: str) -> None:
     """ValueError on a rank whose `text` (e.g. the resolved engine configuration) differs from rank 0's."""
     if jax.process_count() == 1:
         return
-    client, key = _client(), f"atlas_jax/agree/{name}"
+    n = _agreements[name] = _agreements.get(name, -1) + 1
+    client, key = _client(), f"atlas_jax/agree/{name}/{n}"
     if jax.process_index() == 0:
         client.key_value_set(key, text)
         return
