@@ -85,7 +85,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         tp = a.tensor_parallel_size
         expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel)
-        dist = Distributed(a.nnodes, a.node_rank, a.dist_init_addr, a.dist_timeout).check()
+        dist = Distributed.from_args(a).check()
         dist.check_spans(tp)
         if tp > 1:
             check_divides(cfg, tp, expert_parallel)

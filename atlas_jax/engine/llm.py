@@ -54,7 +54,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, warmup: bool = True, progress: bool = True, **engine_args):
         self.args = a = EngineArgs(model=model, **engine_args)
-        self.dist = multihost.Distributed(a.nnodes, a.node_rank, a.dist_init_addr, a.dist_timeout)
+        self.dist = multihost.Distributed.from_args(a)
         multihost.initialize(self.dist)            # first: jax.distributed must join before any backend starts
         # the CPU custom calls and Pallas kernels are not partitioned: a split model runs the pure-XLA layers
         self.kernels = resolve_kernels("xla" if a.tensor_parallel_size != 1 and a.kernels == "auto" else a.kernels)

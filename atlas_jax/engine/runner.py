@@ -214,19 +214,17 @@ class ModelRunner:
         return False
 
     def _run(self, kind: str, *args):
-        if self.channel is None:
-            out, self.state = self.exes.get(kind, args)(self.params, self.state, *args)
-            return out
-        if not (self.leader or self._following):
-            raise RuntimeError("a rank other than 0 runs only rank 0's device calls (follow())")
-        args = host_args(args)                       # every rank runs the same call on the same host arguments
+        if self.channel is not None:                 # every rank runs the same call on the same host arguments
+            if not (self.leader or self._following):
+                raise RuntimeError("a rank other than 0 runs only rank 0's device calls (follow())")
+            args = host_args(args)
         exe = self.exes.get(kind, args)              # compiled before it is published: a failed compile is contained
-        if self.leader:
+        if self.channel is not None and self.leader:
             self.channel.send(kind, args)
         try:
             out, self.state = exe(self.params, self.state, *args)
         except BaseException:
-            self._diverged = True                    # the followers ran it: nothing after this is contained
+            self._diverged = self.channel is not None    # the followers ran it: nothing after this is contained
             raise
         return out
 

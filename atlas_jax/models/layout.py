@@ -83,8 +83,8 @@ AXES = frozenset({"vocab", "hidden", "head_dim", "heads", "kv_heads", "mlp", "ex
                   "value_dim", "conv_kernel", "mamba_in", "mamba_conv", "mamba_heads", "mamba_inner", "gate"})
 
 
-def linear(path, name, n_in, n_out, axes: tuple[str, str], role: str = "proj"):
-    return ParamSpec(path, (f"{name}.weight",), (n_out, n_in), "linear", role, axes)
+def linear(path, name, n_in, n_out, axes: tuple[str, str], role: str = "proj", sections: tuple[int, ...] = ()):
+    return ParamSpec(path, (f"{name}.weight",), (n_out, n_in), "linear", role, axes, sections=sections)
 
 
 def vector(path, name, n, axis: str, role: str = "vector"):
@@ -95,8 +95,8 @@ def norm(path, name, n, axis: str = "hidden"):
     return vector(path, name, n, axis, "norm")
 
 
-def conv(path, name, channels, kernel, axis: str):
-    return ParamSpec(path, (name,), (channels, 1, kernel), "conv", "conv", (axis, "conv_kernel"))
+def conv(path, name, channels, kernel, axis: str, sections: tuple[int, ...] = ()):
+    return ParamSpec(path, (name,), (channels, 1, kernel), "conv", "conv", (axis, "conv_kernel"), sections=sections)
 
 
 def experts_spec(path, names, hf_shape, kind, axes):

@@ -6,8 +6,6 @@ Qwen3.5 differs in its checkpoint only: the GDN input projections are separate (
 all k, all v heads; in_proj_z; in_proj_b; in_proj_a) where Qwen3-Next groups them per key head
 (in_proj_qkvz, in_proj_ba); multimodal checkpoints nest the decoder under model.language_model.
 (cfg.weight_prefix); MoE checkpoints may hold each layer's experts fused in two 3-D tensors."""
-import dataclasses
-
 from ..config import ModelConfig
 from ..layers.gdn import qkv_sections
 from .layout import attention_specs, conv, embedding_specs, ffn_specs, linear, norm, vector
@@ -25,15 +23,15 @@ def gdn_specs(cfg: ModelConfig, path, prefix):
                               ("hidden", "gdn_qkvz")),
                        linear((*path, "ba"), f"{prefix}.in_proj_ba", h, 2 * hv, ("hidden", "gdn_ba"))]
     else:
-        projections = [dataclasses.replace(linear((*path, "qkv"), f"{prefix}.in_proj_qkv", h, 2 * hk * dk + hv * dv,
-                                                  ("hidden", "gdn_qkv")), sections=qkv_sections(cfg)),
+        projections = [linear((*path, "qkv"), f"{prefix}.in_proj_qkv", h, 2 * hk * dk + hv * dv, ("hidden", "gdn_qkv"),
+                              sections=qkv_sections(cfg)),
                        linear((*path, "z"), f"{prefix}.in_proj_z", h, hv * dv, ("hidden", "gdn_value")),
                        linear((*path, "b"), f"{prefix}.in_proj_b", h, hv, ("hidden", "gdn_heads")),
                        linear((*path, "a"), f"{prefix}.in_proj_a", h, hv, ("hidden", "gdn_heads"))]
     return [
         *projections,
-        dataclasses.replace(conv((*path, "conv"), f"{prefix}.conv1d.weight", cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim,
-                                 "gdn_conv"), sections=qkv_sections(cfg)),
+        conv((*path, "conv"), f"{prefix}.conv1d.weight", cfg.gdn_conv_dim, cfg.linear_conv_kernel_dim, "gdn_conv",
+             sections=qkv_sections(cfg)),
         vector((*path, "A_log"), f"{prefix}.A_log", hv, "gdn_heads"),
         vector((*path, "dt_bias"), f"{prefix}.dt_bias", hv, "gdn_heads"),
         norm((*path, "norm"), f"{prefix}.norm.weight", dv, "value_dim"),

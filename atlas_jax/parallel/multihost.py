@@ -48,6 +48,11 @@ class Distributed:
     dist_init_addr: str | None = None       # HOST:PORT of rank 0's coordination service
     dist_timeout: int = 60                  # seconds without a rank's heartbeat before every rank is ended
 
+    @classmethod
+    def from_args(cls, args) -> "Distributed":
+        """From EngineArgs' nnodes / node_rank / dist_init_addr / dist_timeout."""
+        return cls(args.nnodes, args.node_rank, args.dist_init_addr, args.dist_timeout)
+
     @property
     def multihost(self) -> bool:
         return self.nnodes > 1
