@@ -30,6 +30,7 @@ class Kernels:
     cpu: bool = False           # XLA layers + the CPU custom calls (built: resolve_kernels checks)
     platform: str | None = None  # "cpu" | "gpu" | "tpu"; None only in ad-hoc layer calls: jax's default backend
     expert_mesh: object = None   # expert parallel: the Mesh whose "tp" axis splits the routed experts by expert
+    data_parallel: int = 1       # > 1: the layers run per dp rank (manual "dp" axis); the experts span every rank
     section_tiles: int = 1       # sectioned params (Mamba2 in_proj / conv) stored in this many tiles (layers/sections.py)
 
     @property
@@ -101,6 +102,8 @@ class Kernels:
                 cfg.num_experts_per_tok, cfg.num_experts, (cfg.hidden_size, cfg.moe_intermediate_size))
             if self.expert_mesh is not None:
                 out["moe"] += f", expert-parallel over {self.expert_mesh.size} devices"
+                if self.data_parallel > 1:
+                    out["moe"] += f" (tokens of {self.data_parallel} data-parallel ranks)"
         out["linear"] = "cpu-packed" if self.cpu and dtype == jnp.float32 else "xla"
         return out
 

@@ -26,6 +26,10 @@ class EngineArgs:
     enable_expert_parallel: bool = _knob(False, "split the routed experts by expert over the tensor-parallel devices "
                                          "(each runs its own experts on every token; the outputs are summed) instead "
                                          "of splitting each expert's intermediate dim")
+    data_parallel_size: int = _knob(1, "independent batches, each with its own pages, slots and scheduler, over "
+                                    "data_parallel_size x tensor_parallel_size devices; the routed experts are "
+                                    "split over all of them (data-parallel attention, parallel/sharding.py)",
+                                    flag="--data-parallel-size")
     nnodes: int = _knob(1, "processes (hosts) serving one model together; every rank runs the same steps, rank 0 "
                         "schedules and serves HTTP (parallel/multihost.py)")
     node_rank: int = _knob(0, "this process's rank among nnodes (0: the scheduler and HTTP server)")

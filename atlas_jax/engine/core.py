@@ -23,6 +23,7 @@ from .request import Request
 from .row import row_logprobs, row_of
 from .runner import Launched, ModelRunner
 from .sampling_params import SamplingParams
+from .dp_scheduler import DataParallelScheduler, Pooled
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import SpecStats, make_proposer
@@ -45,8 +46,6 @@ class EngineCore(EngineIntrospection):
         self.config, self.cfg, self.tokenizer = config, config.model, tokenizer
         c = config.cache
         self.max_model_len, self.num_pages, self.speculative = config.max_model_len, c.num_pages, config.speculative
-        self.blocks = BlockAllocator(c.num_pages, c.page_size)
-        self.slots = SlotAllocator(config.max_num_seqs)
         # prompt_logprobs scores prompts on pages and a slot of their own (beyond the serving pools)
         self._score = (list(range(c.num_pages, c.num_pages + c.scratch_pages)), config.max_num_seqs) \
             if c.prompt_logprobs else None
@@ -57,10 +56,15 @@ class EngineCore(EngineIntrospection):
         self.spec_stats = SpecStats()
         page_bytes, slot_bytes = self.runner.state_ops.swap_bytes()
         self.sched_config = dataclasses.replace(config.scheduler, page_bytes=page_bytes, slot_bytes=slot_bytes)
-        self.prefix_cache = PrefixCache(
-            self.blocks, lookahead=config.mtp_drafts > 0, num_snapshots=c.num_snapshots,
-            recurrent=bool(self.cfg.recurrent_layers)) if c.prefix_caching else None
-        self.scheduler = Scheduler(self.sched_config, self.blocks, self.slots, self.prefix_cache, self.lora)
+        ranks = [self._rank_scheduler() for _ in range(config.data_parallel_size)]
+        if len(ranks) == 1:
+            self.scheduler = ranks[0]
+            self.blocks, self.slots, self.prefix_cache = self.scheduler.blocks, self.scheduler.slots, self.scheduler.cache
+        else:                                        # data parallel: D ranks seen as one (dp_scheduler.py)
+            self.scheduler = DataParallelScheduler(ranks)
+            self.blocks, self.slots = Pooled([r.blocks for r in ranks]), Pooled([r.slots for r in ranks])
+            self.prefix_cache = self.scheduler.cache
+            self.num_pages = c.num_pages * len(ranks)
         self.requests: dict[str, Request] = {}
         self.inputs = InputProcessor(tokenizer, vocab_size=self.cfg.vocab_size, eos_token_ids=self.cfg.eos_token_ids,
                                      max_model_len=config.max_model_len, page_size=c.page_size,
@@ -75,6 +79,14 @@ class EngineCore(EngineIntrospection):
         self.inflight: InFlight | None = None
         self.num_overlapped = 0                      # steps dispatched before the previous one was resolved
         self.step_seconds = 0.0                      # in step(); less runner.wait_seconds: the host's own time
+
+    def _rank_scheduler(self) -> Scheduler:
+        """A scheduler over pages, slots and a prefix cache of its own (one per data-parallel rank)."""
+        c = self.config.cache
+        blocks, slots = BlockAllocator(c.num_pages, c.page_size), SlotAllocator(self.config.max_num_seqs)
+        cache = PrefixCache(blocks, lookahead=self.config.mtp_drafts > 0, num_snapshots=c.num_snapshots,
+                            recurrent=bool(self.cfg.recurrent_layers)) if c.prefix_caching else None
+        return Scheduler(self.sched_config, blocks, slots, cache, self.lora)
 
     # ---- requests ---------------------------------------------------------------------------
     def make_request(self, prompt, params: SamplingParams, request_id: str | None = None,

@@ -54,6 +54,8 @@ class EngineConfig:
     async_scheduling: bool = True    # (where it applies: EngineCore._overlaps)
     mtp_layers: int = 0              # the checkpoint's MTP layers as loaded (param_specs' count; 0: no head)
     tensor_parallel_size: int = 1    # devices of the ("tp",) mesh (parallel/sharding.py)
+    data_parallel_size: int = 1      # ranks of the ("dp", "tp") mesh, each with its own batch: the cache and
+                                     # scheduler sizes above are per rank (parallel/data_parallel.py)
     expert_parallel: bool = False    # routed experts split by expert over the mesh (kernels.expert_mesh is set)
     dist: Distributed = Distributed()    # the processes serving together (parallel/multihost.py; one by default)
 
@@ -79,21 +81,24 @@ class EngineConfig:
     def create(cls, args: EngineArgs, cfg: ModelConfig, dtype, kernels: Kernels, mtp_layers: int = 0) -> "EngineConfig":
         a = args
         for name in ("page_size", "max_num_seqs", "max_model_len", "max_prefill_chunk", "max_prefill_rows",
-                     "max_num_batched_tokens", "num_pages", "tensor_parallel_size"):
+                     "max_num_batched_tokens", "num_pages", "tensor_parallel_size", "data_parallel_size"):
             v = getattr(a, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
-        tp = a.tensor_parallel_size
-        expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel)
+        tp, dp = a.tensor_parallel_size, a.data_parallel_size
+        expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel, dp)
         dist = Distributed.from_args(a).check()
-        dist.check_spans(tp)
-        if tp > 1:
-            check_divides(cfg, tp, expert_parallel)
-            check_devices(tp)
+        dist.check_spans(tp * dp)
+        if dp > 1:
+            _check_data_parallel(a, dist)
+        if tp * dp > 1:
+            check_divides(cfg, tp, expert_parallel, dp)
+            check_devices(tp * dp, what="data_parallel_size x tensor_parallel_size" if dp > 1 else "tensor_parallel_size")
             if kernels.cpu or kernels.pallas:
-                raise ValueError("tensor_parallel_size > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
+                name = "data_parallel_size" if dp > 1 else "tensor_parallel_size"
+                raise ValueError(f"{name} > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
         if expert_parallel:                          # the MoE layers split their dispatch over this mesh
-            kernels = dataclasses.replace(kernels, expert_mesh=make_mesh(tp))
+            kernels = dataclasses.replace(kernels, expert_mesh=make_mesh(tp, dp), data_parallel=dp)
         if tp > 1:                                   # Mamba2's sectioned params tiled where they split whole
             kernels = dataclasses.replace(kernels, section_tiles=section_tiles(cfg, tp))
         spec = SpeculativeConfig.parse(a.speculative)
@@ -114,12 +119,21 @@ class EngineConfig:
         sched = SchedulerConfig(
             max_num_seqs=seqs, max_num_batched_tokens=a.max_num_batched_tokens or max(512, a.max_prefill_chunk),
             max_prefill_chunk=a.max_prefill_chunk, max_prefill_rows=a.max_prefill_rows,
-            preemption_mode="recompute" if dist.multihost else a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
+            preemption_mode="recompute" if dist.multihost or dp > 1 else a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
             watermark_pages=default_watermark(num_pages), num_drafts=spec.num_drafts if spec else 0,
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
             max_model_len=max_model_len)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
         config = cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
-                     mtp_layers, tp, expert_parallel, dist)
+                     mtp_layers, tp, dp, expert_parallel, dist)
         check_agree("engine configuration", repr(dataclasses.replace(config, dist=Distributed())))
         return config
+
+
+def _check_data_parallel(a: EngineArgs, dist: Distributed) -> None:
+    """ValueError naming what data-parallel attention does not serve yet (each needs per-rank device operations)."""
+    refused = {"speculative": a.speculative is not None, "enable_lora": a.enable_lora,
+               "enable_prompt_logprobs": a.enable_prompt_logprobs, "nnodes > 1": dist.multihost}
+    for name, on in refused.items():
+        if on:
+            raise ValueError(f"data_parallel_size > 1 does not support {name} yet")

@@ -171,3 +171,29 @@ def bias_columns(rows) -> dict:
         for j, (t, v) in enumerate(list(adjust.items())[:BIAS_COLUMNS]):
             ids[i, j], bias[i, j] = t, v
     return {"bias_ids": ids, "bias": bias, "bias_only": only}
+
+
+class RankedBatch:
+    """Data parallel: one InputBatch per dp rank (its own slots' mirror), whose packs go end to end on axis 0
+    (parallel/data_parallel.py: rank d's block of every argument is a one-rank step's)."""
+
+    def __init__(self, batches: list[InputBatch]):
+        self.batches = batches
+
+    def forget(self) -> None:
+        for b in self.batches:
+            b.forget()
+
+    def commit(self) -> None:
+        for b in self.batches:
+            b.commit()
+
+    def pack(self, groups, shape, sampling_rows, verify: bool = False) -> tuple:
+        """`InputBatch.pack` per rank (groups[d], sampling_rows[d]: rank d's), concatenated."""
+        parts = [b.pack(g, shape, rows, verify) for b, g, rows in zip(self.batches, groups, sampling_rows)]
+        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
+
+    def abstract(self, kind: str, shape) -> tuple:
+        ranks = len(self.batches)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * ranks,) + a.shape[1:], a.dtype),
+                            self.batches[0].abstract(kind, shape))

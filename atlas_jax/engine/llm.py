@@ -57,7 +57,8 @@ class LLM:
         self.dist = multihost.Distributed.from_args(a)
         multihost.initialize(self.dist)            # first: jax.distributed must join before any backend starts
         # the CPU custom calls and Pallas kernels are not partitioned: a split model runs the pure-XLA layers
-        self.kernels = resolve_kernels("xla" if a.tensor_parallel_size != 1 and a.kernels == "auto" else a.kernels)
+        split = a.tensor_parallel_size != 1 or a.data_parallel_size != 1
+        self.kernels = resolve_kernels("xla" if split and a.kernels == "auto" else a.kernels)
         enable_compile_cache(default_compile_cache_dir() if a.compile_cache_dir is None else a.compile_cache_dir)
         if model is None:
             from ..default_model import default_model_path
@@ -68,12 +69,13 @@ class LLM:
         self.tokenizer = Tokenizer.from_pretrained(self.model_path)
         self.dtype = resolve_dtype(a.dtype)
         placement = None
-        if type(a.tensor_parallel_size) is int and a.tensor_parallel_size > 1:   # shards read alone (EngineConfig checks the value)
-            check_divides(self.cfg, a.tensor_parallel_size,
-                          uses_expert_parallel(self.cfg, a.tensor_parallel_size, a.enable_expert_parallel))
-            self.dist.check_spans(a.tensor_parallel_size)
-            mesh = make_mesh(a.tensor_parallel_size)
-            rules = model_rules(self.cfg, a.tensor_parallel_size, bool(a.enable_expert_parallel))
+        tp, dp = a.tensor_parallel_size, a.data_parallel_size
+        if type(tp) is int and type(dp) is int and tp > 0 and dp > 0 and tp * dp > 1:
+            # shards read alone (EngineConfig checks the values)
+            check_divides(self.cfg, tp, uses_expert_parallel(self.cfg, tp, a.enable_expert_parallel, dp), dp)
+            self.dist.check_spans(tp * dp)
+            mesh = make_mesh(tp, dp)
+            rules = model_rules(self.cfg, tp, bool(a.enable_expert_parallel), dp)
             placement = lambda specs: param_shardings(specs, mesh, rules)
         params, self.num_mtp_layers = load_model_params(self.model_path, self.cfg, self.dtype, a.load_mtp, placement)
         self.config = EngineConfig.create(a, self.cfg, self.dtype, self.kernels, self.num_mtp_layers)

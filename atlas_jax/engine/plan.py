@@ -29,6 +29,7 @@ class Snapshot:
     slot: int
     state_idx: int
     snap: int
+    rank: int = 0              # data parallel: the rank whose slot and snapshot these are (local ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,7 @@ class LoadPrefix:
     cow: tuple[int, int] | None
     tokens: tuple[int, ...]
     prompt_len: int
+    rank: int = 0              # data parallel: the rank whose slot, snapshot and pages these are (local ids)
 
 
 @dataclasses.dataclass(frozen=True)

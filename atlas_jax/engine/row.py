@@ -24,6 +24,7 @@ class RowInput:
     draft_ok: bool = False     # MTP: the row may draft (its pages cover the draft positions)
     logit_adjust: tuple = ({}, False)   # Sequence.logit_adjustments(): ({token id: added logit}, only those)
     adapter: int = 0           # LoRA adapter slot (0 = the base model)
+    rank: int = 0              # data-parallel rank whose pages and slot these are (local ids)
 
 
 def row_of(seq, n: int, draft_ok: bool = False) -> RowInput:
@@ -33,7 +34,7 @@ def row_of(seq, n: int, draft_ok: bool = False) -> RowInput:
                     params=seq.params, seed=seq.seed, step=seq.num_generated, prompt_len=len(seq.prompt_ids),
                     state_idx=-1 if seq.slack else seq.state_idx, next_token=seq.token_at(end) if end < seq.num_tokens else -1,
                     logit_adjust=seq.logit_adjustments() if seq.params.adjusts_logits else ({}, False),
-                    adapter=seq.adapter_slot or 0, draft_ok=draft_ok)
+                    adapter=seq.adapter_slot or 0, draft_ok=draft_ok, rank=seq.dp_rank)
 
 
 def row_logprobs(seq, out, i: int) -> dict[int, float] | None:

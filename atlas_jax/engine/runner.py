@@ -32,17 +32,18 @@ from ..models.decoder import lm_head_weight
 from ..models.layout import abstract_params, check_params, paths_with
 from ..models.mtp import init_mtp_kv
 from ..parallel.multihost import STOP, CallChannel, host_args, to_host
-from ..parallel.sharding import (abstract_sharded, conv_split, make_mesh, model_rules, replicated, shard_params,
+from ..parallel.data_parallel import per_rank
+from ..parallel.sharding import (abstract_sharded, conv_split, engine_mesh, model_rules, replicated, shard_params,
                                  state_shardings, tile_params)
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
 from .executables import Executables
-from .input_batch import InputBatch
+from .input_batch import InputBatch, RankedBatch
 from .row import RowInput
 from .sampler import init_penalty_state, init_slot_sampling
 from .sampling_params import BIAS_COLUMNS, MAX_LOGPROBS
-from .state_ops import KINDS as STATE_OP_KINDS, SWAP_CHUNK_PAGES, StateOps
+from .state_ops import KINDS as STATE_OP_KINDS, RANK_OPS, SWAP_CHUNK_PAGES, StateOps
 from .steps import EngineState
 
 
@@ -80,7 +81,7 @@ def served_params(config, params, mtp_token_ids=None, mesh=None):
     served = prepare(params)
     check_params(served, abstract)
     if mesh is not None:
-        rules = model_rules(config.model, config.tensor_parallel_size, config.expert_parallel)
+        rules = model_rules(config.model, config.tensor_parallel_size, config.expert_parallel, config.data_parallel_size)
         return shard_params(served, specs, mesh, rules), abstract_sharded(abstract, specs, mesh, rules)
     return served, abstract
 
@@ -132,7 +133,8 @@ class ModelRunner:
         cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
         mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
-        self.mesh = make_mesh(config.tensor_parallel_size) if config.tensor_parallel_size > 1 else None
+        self.dp = config.data_parallel_size          # > 1: the pools and batches below are per rank, D of each
+        self.mesh = engine_mesh(config.tensor_parallel_size, self.dp)
         self.params, abstract = served_params(config, params, mtp_token_ids, self.mesh)
         self.num_pages, self.page_size = c.num_pages + c.scratch_pages, c.page_size
         self.num_slots, self.max_pages_per_seq = c.num_slots, c.max_pages_per_seq
@@ -142,25 +144,36 @@ class ModelRunner:
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
         self.self_drafts = config.speculative is not None and config.speculative.method == "self"
         mtp_layers = len(params.get("mtp", {}).get("layers", ()))
-        self.state = EngineState(init_state(cfg, self.num_pages, c.page_size, c.num_slots, dtype, verify_tokens),
-                                 init_penalty_state(c.num_slots, cfg.vocab_size),
-                                 init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
-                                 init_snapshots(cfg, c.num_snapshots, dtype),
-                                 self._init_lora_pool(config.lora, dtype), jnp.zeros((c.num_slots,), jnp.int32),
-                                 jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
-                                 jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
-                                 init_slot_sampling(c.num_slots, BIAS_COLUMNS))
-        self.state_sharding = None if self.mesh is None else state_shardings(
-            self.state, self.mesh, conv_split(cfg, kernels.section_tiles))
-        if self.mesh is not None:                    # split by heads where the rules say (parallel/sharding.py)
-            self.state = jax.device_put(self.state, self.state_sharding)
-        self.batch = InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
+
+        def init(ranks: int = 1) -> EngineState:       # every leaf but the LoRA pool: `ranks` pools end to end
+            tiled = lambda x: x if ranks == 1 or x is None else jnp.concatenate([x] * ranks)
+            return jax.tree.map(tiled, EngineState(
+                init_state(cfg, self.num_pages, c.page_size, c.num_slots, dtype, verify_tokens),
+                init_penalty_state(c.num_slots, cfg.vocab_size),
+                init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
+                init_snapshots(cfg, c.num_snapshots, dtype), {}, jnp.zeros((c.num_slots,), jnp.int32),
+                jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
+                jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
+                init_slot_sampling(c.num_slots, BIAS_COLUMNS)))
+        self.state_sharding = None
+        if self.dp > 1:                              # made in place, split over the ranks (parallel/data_parallel.py)
+            ranked = functools.partial(init, self.dp)
+            self.state_sharding = state_shardings(jax.eval_shape(ranked), self.mesh,
+                                                  conv_split(cfg, kernels.section_tiles))
+            self.state = jax.jit(ranked, out_shardings=self.state_sharding)()
+        else:
+            self.state = dataclasses.replace(init(), lora=self._init_lora_pool(config.lora, dtype))
+            if self.mesh is not None:                # split by heads where the rules say (parallel/sharding.py)
+                self.state_sharding = state_shardings(self.state, self.mesh, conv_split(cfg, kernels.section_tiles))
+                self.state = jax.device_put(self.state, self.state_sharding)
+        batch = lambda: InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
+        self.batch = batch() if self.dp == 1 else RankedBatch([batch() for _ in range(self.dp)])
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
         self.section_tiles = kernels.section_tiles      # adapters' B of tiled projections are tiled alike
         self.tiled_sections = {".".join(map(str, s.path)): s.sections for s in config.param_specs()
                                if s.sections and s.role == "proj"} if kernels.section_tiles > 1 else {}
         self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding,
-                                             self.mesh), abstract, self.state)
+                                             self.mesh, abstract if self.dp > 1 else None), abstract, self.state)
         dist = config.dist                           # rank 0 publishes every device call; the others follow it
         self.channel = CallChannel() if dist.multihost else None
         self.leader, self._following, self._diverged = dist.leader, False, False
@@ -168,8 +181,10 @@ class ModelRunner:
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
-    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None, mesh=None) -> dict:
-        """kind -> jit(fn(params, state, *args)) with the state donated."""
+    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None, mesh=None,
+                per_rank_params=None) -> dict:
+        """kind -> jit(fn(params, state, *args)) with the state donated. per_rank_params (data parallel: the
+        abstract params): the kinds a data-parallel engine serves, each run per dp rank."""
         part = functools.partial
         fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
                "score": part(steps.score_step, cfg, kernels, min(MAX_LOGPROBS, cfg.vocab_size)),
@@ -178,6 +193,9 @@ class ModelRunner:
                "save_pages": steps.save_pages, "save_slot": steps.save_slot, "restore_pages": steps.restore_pages,
                "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
                "adapter": steps.load_adapter}
+        if per_rank_params is not None:
+            fns = {kind: per_rank(fns[kind], mesh, per_rank_params, state_sharding, batch=kind not in RANK_OPS)
+                   for kind in ("step",) + RANK_OPS}
         if state_sharding is not None:              # the state keeps its placement from step to step
             fns = {kind: _keeping_state(fn, state_sharding, replicated(mesh)) for kind, fn in fns.items()}
         return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
@@ -265,6 +283,8 @@ class ModelRunner:
         rows = list(decode) + list(prefill)
         if not rows:
             raise ValueError("a step needs at least one row")
+        if self.dp > 1:
+            return self._launch_ranked(decode, prefill)
         if len(decode) > g.decode_buckets[-1]:
             raise ValueError(f"{len(decode)} decode rows; the largest bucket is {g.decode_buckets[-1]}")
         if any(len(r.tokens) != 1 for r in decode):
@@ -281,6 +301,38 @@ class ModelRunner:
         self.batch.commit()
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
         return Launched(self, out, live, any(r.params.logprobs is not None for r in rows))
+
+    def _launch_ranked(self, decode: list[RowInput], prefill: list[RowInput]) -> "Launched":
+        """`launch` under data parallel: each rank's rows (RowInput.rank) padded to one shape bucket, the ranks'
+        batches end to end (parallel/data_parallel.py)."""
+        g, ranks = self.grid, range(self.dp)
+        dec = [[r for r in decode if r.rank == k] for k in ranks]
+        pre = [[r for r in prefill if r.rank == k] for k in ranks]
+        nd = max(map(len, dec))
+        if nd > g.decode_buckets[-1]:
+            raise ValueError(f"{nd} decode rows on one rank; the largest bucket is {g.decode_buckets[-1]}")
+        if any(len(r.tokens) != 1 for r in decode):
+            raise ValueError("decode rows carry exactly one token")
+        if prefill:
+            prefill_shape = g.prefill_shape(max(map(len, pre)), max(len(r.tokens) for r in prefill))
+        if prefill and decode:
+            want = ((next(b for b in g.mixed_decode_buckets if b >= nd), 1), prefill_shape)
+        else:
+            want = (prefill_shape,) if prefill else ((bucket(nd), 1),)
+        shape = self.exes.choose("step", want)
+        width = sum(b for b, _ in shape)              # one rank's sampling rows
+        groups, sampling_rows, index = [], [], {}
+        for k in ranks:
+            pad = shape[0][0] - len(dec[k]) if decode and prefill else 0
+            rows_k = dec[k] + [None] * pad + pre[k]
+            index.update((id(r), k * width + i) for i, r in enumerate(rows_k) if r is not None)
+            groups.append(tuple(x for x, on in ((dec[k], decode), (pre[k], prefill)) if on))
+            sampling_rows.append(rows_k)
+        out, _ = self._run("step", *self.batch.pack(groups, shape, sampling_rows))
+        self.batch.commit()
+        self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
+        rows = list(decode) + list(prefill)
+        return Launched(self, out, [index[id(r)] for r in rows], any(r.params.logprobs is not None for r in rows))
 
     def wait(self, outputs):
         """Block until a step's device outputs are ready; the time blocked adds to `wait_seconds`."""

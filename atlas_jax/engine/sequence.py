@@ -77,6 +77,7 @@ class Sequence:
                                                # a step is scheduled, 2 between a dispatch and the previous resolve
     pages: list[int] = dataclasses.field(default_factory=list)
     slot: int | None = None
+    dp_rank: int = 0                           # data-parallel rank holding its pages and slot (local ids there)
     swapped_state: object = None               # host copy while SWAPPED
     status: Status = Status.WAITING
     finish_reason: str | None = None           # stop | length | abort | timeout | error

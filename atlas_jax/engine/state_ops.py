@@ -17,6 +17,7 @@ from .plan import LoadAdapter, LoadPrefix, Snapshot, StateOp, SwapIn, SwapOut
 
 SWAP_CHUNK_PAGES = 32        # swap moves a sequence's pages in calls of this many (one executable per direction)
 KINDS = ("save_pages", "save_slot", "restore_pages", "restore_slot", "snapshot", "prefix", "adapter")
+RANK_OPS = ("snapshot", "prefix")   # what a data-parallel engine runs, on one rank (parallel/data_parallel.py)
 
 _i32 = lambda x: jnp.asarray(x, jnp.int32)
 
@@ -33,9 +34,10 @@ class StateOps:
             self.restore_sequence_state(list(op.pages), op.slot, op.seq.swapped_state)
             op.seq.swapped_state = None
         elif isinstance(op, Snapshot):
-            self.runner._run("snapshot", _i32(op.slot), _i32(op.state_idx), _i32(op.snap))
+            r = self.runner
+            r._run("snapshot", *self._on_rank(op.rank, (op.slot, op.state_idx, op.snap), (0, 0, r.num_snapshots)))
         elif isinstance(op, LoadPrefix):
-            self.load_prefix(op.slot, op.snap, op.cow, list(op.tokens), op.prompt_len)
+            self.load_prefix(op.slot, op.snap, op.cow, list(op.tokens), op.prompt_len, op.rank)
         elif isinstance(op, LoadAdapter):
             self.load_adapter(op.slot, op.weights)
         else:
@@ -83,15 +85,23 @@ class StateOps:
 
     # ---- prefix cache (state/prefix_cache.py) -------------------------------------------------
     def load_prefix(self, slot: int, snap: int | None, cow: tuple[int, int] | None, tokens: list[int],
-                    prompt_len: int) -> None:
+                    prompt_len: int, rank: int = 0) -> None:
         """Start `slot` on the cached prefix `tokens`: recurrent state from snapshot `snap`, page
         cow[1] := page cow[0] (copy-on-write), penalty history rebuilt (steps.load_prefix)."""
         r = self.runner
         col = np.zeros((r.max_pages_per_seq * r.page_size,), np.int32)
         col[:len(tokens)] = tokens
         src, dst = cow if cow is not None else (0, r.num_pages)
-        r._run("prefix", _i32(slot), _i32(0 if snap is None else snap), _i32(src), _i32(dst), jnp.asarray(col),
-               _i32(prompt_len), _i32(len(tokens)))
+        args = (slot, 0 if snap is None else snap, src, dst, col, prompt_len, len(tokens))
+        r._run("prefix", *self._on_rank(rank, args, (r.num_slots, 0, 0, r.num_pages, np.zeros_like(col), 0, 0)))
+
+    def _on_rank(self, rank: int, args: tuple, inert: tuple) -> tuple:
+        """A state operation's arguments: as they are on one rank; under data parallel a leading [D] axis with
+        `inert` (out-of-range targets: dropped) for the other ranks (parallel/data_parallel.per_rank)."""
+        if self.runner.dp == 1:
+            return tuple(jnp.asarray(a, jnp.int32) for a in args)
+        return tuple(np.stack([np.asarray(a if d == rank else z, np.int32) for d in range(self.runner.dp)])
+                     for a, z in zip(args, inert))
 
     # ---- LoRA (engine/lora.py) ----------------------------------------------------------------
     def load_adapter(self, slot: int, weights: dict) -> None:
@@ -112,8 +122,9 @@ class StateOps:
     # ---- abstract form (warm-up) -----------------------------------------------------------------
     def abstract(self, kind: str) -> tuple:
         """ShapeDtypeStructs of a state operation's arguments after (params, state)."""
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
         r = self.runner
+        ranks = (r.dp,) if r.dp > 1 and kind in RANK_OPS else ()
+        i32 = lambda *s: jax.ShapeDtypeStruct(ranks + s, jnp.int32)
         if kind == "snapshot":
             return i32(), i32(), i32()
         if kind == "prefix":

@@ -8,7 +8,9 @@ latent width (latent_in / latent_out projections around them); the shared expert
 
 Expert parallel (`kernels.expert_mesh`): each device of the mesh's "tp" axis holds E / tp whole experts and
 runs the dispatch below on every token for the pairs routed to its own experts (the others weigh 0); the
-shards' outputs are summed (psum) — replicated tokens, local experts, one all-reduce a layer.
+shards' outputs are summed (psum) — replicated tokens, local experts, one all-reduce a layer. Under data-parallel
+attention (`kernels.data_parallel`) the experts span the dp x tp devices: every rank's tokens are gathered, and
+the sums reduce-scattered back to their ranks.
 
 Cost grows with top-k, not with the number of experts. The N*k (token, expert) pairs are
 sorted by expert and run by one of five dispatches. Packed experts (`pack_params`, done once by the
@@ -269,6 +271,25 @@ def _experts_parallel(experts, x, weights, ids, act: str, kernels: Kernels):
         experts, x, weights, ids)
 
 
+def _experts_data_parallel(experts, x, weights, ids, act: str, kernels: Kernels):
+    """Expert parallel under data-parallel attention (called per dp rank, "dp" manual): every rank's tokens and
+    routes gathered, each device's E / (dp x tp) experts run on them (ids made local, the rest weigh 0), the
+    partial sums reduced over "tp" and reduce-scattered over "dp" back to each rank's own tokens."""
+    tp = kernels.expert_mesh.shape["tp"]
+    x, weights, ids = (jax.lax.all_gather(a, "dp", tiled=True) for a in (x, weights, ids))
+
+    def shard(experts, x, weights, ids):
+        local = experts["up"].shape[0]
+        first = (jax.lax.axis_index("dp") * tp + jax.lax.axis_index("tp")) * local
+        mine = (ids >= first) & (ids < first + local)
+        y = _experts(experts, x, jnp.where(mine, weights, 0.0), jnp.where(mine, ids - first, 0), act, kernels)
+        return jax.lax.psum(y.astype(jnp.float32), "tp")
+    by_expert = jax.tree.map(lambda _: P("tp"), experts)
+    y = jax.shard_map(shard, in_specs=(by_expert, P(), P(), P()), out_specs=P(), axis_names={"tp"})(
+        experts, x, weights, ids)
+    return jax.lax.psum_scatter(y, "dp", tiled=True).astype(x.dtype)
+
+
 def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
     """p: {router [H, E], [router_bias [E]: sigmoid routing], experts: {[gate [E, H', F]: silu], up [E, H', F],
     down [E, F, H']} (or packed: pack_experts), [latent_in [H, H'], latent_out [H', H]], [shared: MLP params],
@@ -279,7 +300,7 @@ def moe(p, x, spec: MoeSpec, kernels: Kernels = XLA, slot=None):
     if kernels.packs_experts(p["experts"]["down"].dtype):       # pack_params packed them: the CPU kernel
         y = _experts_cpu(p, x2, xe, spec)
     elif kernels.expert_mesh is not None:
-        y = _experts_parallel(p["experts"], xe, *_routed(p, x2, spec), spec.act, kernels)
+        y = (_experts_data_parallel if kernels.data_parallel > 1 else _experts_parallel)(p["experts"], xe, *_routed(p, x2, spec), spec.act, kernels)
     else:
         y = _experts(p["experts"], xe, *_routed(p, x2, spec), spec.act, kernels)
     if spec.latent:

@@ -1,6 +1,7 @@
 """One table of sharding rules: each logical axis of a param (models/layout.py ParamSpec.axes) -> a mesh axis.
 
-The mesh is ("tp",) for tensor parallelism. Layers stay pure functions: a step is compiled with its params
+The mesh is ("tp",) for tensor parallelism, ("dp", "tp") with data-parallel attention (data_parallel_size > 1:
+each dp rank runs its own batch on its own pages and slots, parallel/data_parallel.py). Layers stay pure functions: a step is compiled with its params
 (and state) placed by these rules and XLA's SPMD partitioner inserts the collectives, so a rule decides how
 much is communicated, never what is computed (a replicated axis is always correct). Rules (jax-llm-examples'
 ShardingRules, sglang-jax's kernel axes):
@@ -13,7 +14,8 @@ ShardingRules, sglang-jax's kernel axes):
                                                           and GDN's q | k | v sections stored so each device's
                                                           block holds its heads and groups of every section,
                                                           layers/sections.py)
-  experts                                        -> tp   with expert parallel (whole experts per device)
+  experts                                        -> tp   with expert parallel (whole experts per device);
+                                                  (dp, tp) under data parallel (experts over every device)
   everything else                                -> replicated: hidden, norms, the router, and the sectioned
                                                     axes when their heads do not divide tp (a contiguous split
                                                     would cut sections)
@@ -21,6 +23,7 @@ ShardingRules, sglang-jax's kernel axes):
 The state follows the same heads: KV pages [P, page, KV heads, D] (the MTP head's too) by KV head, recurrent h
 pools [S, R, H, Dk, Dv] and snapshots [N, H, Dk, Dv] by head; conv windows by channel when tiled; untiled conv
 windows, the snapshots' conv windows, penalty history, sampling columns, LoRA pools replicated (`state_shardings`).
+Under data parallel every state leaf but the LoRA pool is D ranks' pools end to end, split by "dp" on axis 0.
 
 A dimension is split only when the mesh axis size divides it; `check_divides` refuses, naming the config
 field, the head and vocabulary counts that must divide tp.
@@ -39,25 +42,28 @@ from ..layers.sections import tile
 from ..param_tree import path_of, replace_at
 
 TP = "tp"
+DP = "dp"
 RULES = {axis: TP for axis in ("vocab", "heads", "kv_heads", "mlp", "expert_mlp", "gdn_qkvz", "gdn_ba", "gdn_value",
                                "gdn_heads", "mamba_heads", "mamba_inner")}
 EXPERT_RULES = {"experts": TP}              # expert parallel: the expert axis takes tp (an expert stays whole)
 TILED_RULES = {"mamba_in": TP, "mamba_conv": TP, "gdn_qkv": TP, "gdn_conv": TP}   # stored tiled (section_tiles = tp)
 
 
-def rules_for(expert_parallel: bool = False, tiled: bool = False) -> dict:
-    return {**RULES, **(EXPERT_RULES if expert_parallel else {}), **(TILED_RULES if tiled else {})}
+def rules_for(expert_parallel: bool = False, tiled: bool = False, dp: int = 1) -> dict:
+    experts = {"experts": (DP, TP)} if dp > 1 else EXPERT_RULES
+    return {**RULES, **(experts if expert_parallel else {}), **(TILED_RULES if tiled else {})}
 
 
-def uses_expert_parallel(cfg, tp: int, asked: bool) -> bool:
+def uses_expert_parallel(cfg, tp: int, asked: bool, dp: int = 1) -> bool:
     """Whether the routed experts are split by expert: asked, over more than one device, and the model has any."""
-    return bool(asked) and tp > 1 and cfg.num_experts > 0
+    return bool(asked) and tp * dp > 1 and cfg.num_experts > 0
 
 
-def model_rules(cfg, tp: int, expert_parallel: bool = False) -> dict:
-    """The rules an engine of tensor_parallel_size tp places this model's params by (experts split by expert
-    when asked and the model has any; Mamba2's sectioned axes when they tile)."""
-    return rules_for(uses_expert_parallel(cfg, tp, expert_parallel), section_tiles(cfg, tp) > 1)
+def model_rules(cfg, tp: int, expert_parallel: bool = False, dp: int = 1) -> dict:
+    """The rules an engine of tensor_parallel_size tp (x data_parallel_size dp) places this model's params by
+    (experts split by expert over all tp x dp devices when asked and the model has any; the sectioned axes when
+    they tile; everything else replicated over dp)."""
+    return rules_for(uses_expert_parallel(cfg, tp, expert_parallel, dp), section_tiles(cfg, tp) > 1, dp)
 
 
 def section_tiles(cfg, tp: int) -> int:
@@ -85,26 +91,38 @@ def conv_split(cfg, tiles: int) -> tuple[bool, ...]:
     return tuple(tiles > 1 and cfg.layer_types[i] in (MAMBA, LINEAR_ATTENTION) for i in cfg.recurrent_layers)
 
 
-def check_devices(tensor_parallel_size: int, devices=None) -> list:
-    """The devices a tensor_parallel_size mesh takes (the first ones); ValueError when there are too few."""
+def check_devices(n: int, devices=None, what: str = "tensor_parallel_size") -> list:
+    """The devices a mesh of n takes (the first ones); ValueError when there are too few."""
     devices = list(devices if devices is not None else jax.devices())
-    if tensor_parallel_size > len(devices):
-        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs that many devices; "
-                         f"{len(devices)} are visible")
-    return devices[:tensor_parallel_size]
+    if n > len(devices):
+        raise ValueError(f"{what} {n} needs that many devices; {len(devices)} are visible")
+    return devices[:n]
 
 
-def make_mesh(tensor_parallel_size: int, devices=None) -> Mesh:
-    """A ("tp",) mesh over the first tensor_parallel_size devices."""
-    return Mesh(np.array(check_devices(tensor_parallel_size, devices)), (TP,))
+def make_mesh(tensor_parallel_size: int, data_parallel_size: int = 1, devices=None) -> Mesh:
+    """A ("tp",) mesh over the first tensor_parallel_size devices; with data_parallel_size > 1 a ("dp", "tp") mesh
+    over the first dp x tp (a dp rank's tp devices adjacent)."""
+    tp, dp = tensor_parallel_size, data_parallel_size
+    if dp == 1:
+        return Mesh(np.array(check_devices(tp, devices)), (TP,))
+    return Mesh(np.array(check_devices(tp * dp, devices, "data_parallel_size x tensor_parallel_size")).reshape(dp, tp),
+                (DP, TP))
 
 
-def check_divides(cfg, tp: int, expert_parallel: bool = False) -> None:
+def engine_mesh(tensor_parallel_size: int, data_parallel_size: int = 1) -> Mesh | None:
+    """The mesh an engine of these sizes runs on (None: one device)."""
+    if tensor_parallel_size * data_parallel_size == 1:
+        return None
+    return make_mesh(tensor_parallel_size, data_parallel_size)
+
+
+def check_divides(cfg, tp: int, expert_parallel: bool = False, dp: int = 1) -> None:
     """ValueError naming the field when a count the rules split over tp does not divide (KV heads may be fewer
-    than tp: they are then replicated, as sglang-jax does)."""
+    than tp: they are then replicated, as sglang-jax does); with expert parallel the experts over tp x dp."""
     fields = {"num_attention_heads": cfg.num_heads, "vocab_size": cfg.vocab_size}
-    if expert_parallel:
-        fields["num_experts"] = cfg.num_experts
+    if expert_parallel and cfg.num_experts % (tp * dp):
+        raise ValueError(f"num_experts = {cfg.num_experts} is not divisible by the {tp * dp} devices expert "
+                         f"parallel splits them over (tensor_parallel_size x data_parallel_size)")
     if cfg.num_kv_heads >= tp:
         fields["num_key_value_heads"] = cfg.num_kv_heads
     if cfg.recurrent_layers and cfg.linear_num_key_heads:
@@ -123,10 +141,12 @@ def partition(spec, mesh: Mesh, rules=RULES) -> P:
     used, out = set(), []
     for axis, size in zip(spec.axes, spec.shape):
         target = rules.get(axis)
-        if target is None or target in used or size % mesh.shape[target]:
+        names = (target,) if isinstance(target, str) else tuple(target or ())
+        if (not names or used & set(names) or any(n not in mesh.shape for n in names)
+                or size % int(np.prod([mesh.shape[n] for n in names]))):
             out.append(None)
         else:
-            used.add(target)
+            used.update(names)
             out.append(target)
     return P(*out)
 
@@ -162,6 +182,12 @@ def _by_head(x, axis: int, mesh) -> NamedSharding:
     return NamedSharding(mesh, P(*[None] * axis, TP)) if x.shape[axis] % mesh.shape[TP] == 0 else replicated(mesh)
 
 
+def _by_rank(sharding: NamedSharding, x) -> NamedSharding:
+    """sharding with axis 0 (the pool axis: pages, slots, snapshots) split over "dp" as well."""
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    return NamedSharding(sharding.mesh, P(DP, *spec[1:]))
+
+
 def kv_shardings(pools, mesh) -> tuple:
     """KV pools ((k, v) [P, page, KV heads, D] per layer) split by KV head where tp divides them."""
     return tuple((_by_head(k, 2, mesh), _by_head(v, 2, mesh)) for k, v in pools)
@@ -181,6 +207,11 @@ def state_shardings(state, mesh, split_conv: tuple[bool, ...] = ()):
     """An EngineState-shaped tree of NamedShardings (module doc): what the state is placed with and kept at.
     mesh: a Mesh, or an AbstractMesh for planning without devices (parallel/memory_plan.py)."""
     out = jax.tree.map(lambda _: replicated(mesh), state)
-    return dataclasses.replace(out, model=model_state_shardings(state.model, mesh, split_conv),
-                               draft_kv=kv_shardings(state.draft_kv, mesh),
-                               snapshots=tuple((_by_head(h, 1, mesh), replicated(mesh)) for h, _ in state.snapshots))
+    out = dataclasses.replace(out, model=model_state_shardings(state.model, mesh, split_conv),
+                              draft_kv=kv_shardings(state.draft_kv, mesh),
+                              snapshots=tuple((_by_head(h, 1, mesh), replicated(mesh)) for h, _ in state.snapshots))
+    if DP not in mesh.axis_names:
+        return out
+    lora = out.lora
+    out = jax.tree.map(_by_rank, dataclasses.replace(out, lora={}), dataclasses.replace(state, lora={}))
+    return dataclasses.replace(out, lora=lora)
