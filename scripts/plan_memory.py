@@ -2,7 +2,10 @@
 weights, one KV page, one sequence's recurrent state, one prefix snapshot, an activation estimate, and how many
 sequences of a given length fit per device. Prints one JSON object.
 
-    python scripts/plan_memory.py CONFIG [--tp T] [--ep] [--dtype bfloat16] [--seq-len 32768] [--device-gib 141]
+    python scripts/plan_memory.py CONFIG [--tp T] [--dp D] [--ep] [--dtype bfloat16] [--seq-len 32768] [--device-gib 141]
+
+With --dp D (data-parallel attention) the weights are those of the D x T mesh (experts over all of it with --ep)
+and the sequences per device are one rank's; the engine holds D times as many.
 
 CONFIG: a checkpoint directory or its config.json (the file alone is enough: a few KB from the model's page),
 or a preset: qwen3-next-80b-a3b, qwen3.5-35b-a3b (the released configs' shapes). Same sharding rules as the
@@ -49,6 +52,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("config")
     ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1, help="data_parallel_size (ranks with their own batches)")
     ap.add_argument("--ep", action="store_true", help="expert parallel (whole experts per device)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--page-size", type=int, default=16)
@@ -59,10 +63,11 @@ def main():
     ap.add_argument("--tokens", type=int, default=8192, help="a step's token budget (activation estimate)")
     args = ap.parse_args()
     cfg, mtp_layers = load(args.config)
-    p = plan(cfg, jnp.dtype(args.dtype), args.tp, args.ep, mtp_layers, args.page_size, args.num_drafts, args.tokens)
+    p = plan(cfg, jnp.dtype(args.dtype), args.tp, args.ep, mtp_layers, args.page_size, args.num_drafts, args.tokens,
+             dp=args.dp)
     gib = lambda b: round(b / 2**30, 3)
     print(json.dumps({
-        "config": args.config, "model_type": cfg.model_type, "tp": args.tp, "expert_parallel": args.ep,
+        "config": args.config, "model_type": cfg.model_type, "tp": args.tp, "dp": args.dp, "expert_parallel": args.ep,
         "dtype": args.dtype, "weights_gib": gib(p.weights), "weights_share": round(p.weights / p.total_weights, 4),
         "kv_page_bytes": p.kv_page, "kv_bytes_per_token": p.kv_page // args.page_size,
         "sequence_state_mib": round(p.sequence_state / 2**20, 2), "snapshot_mib": round(p.snapshot / 2**20, 2),

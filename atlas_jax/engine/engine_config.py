@@ -88,12 +88,8 @@ class EngineConfig:
         tp, dp = a.tensor_parallel_size, a.data_parallel_size
         expert_parallel = uses_expert_parallel(cfg, tp, a.enable_expert_parallel, dp)
         dist = Distributed.from_args(a).check()
-        dist.check_spans(tp * dp)
-        if dp > 1:
-            _check_data_parallel(a, dist)
+        check_layout(a, cfg, dist)
         if tp * dp > 1:
-            check_divides(cfg, tp, expert_parallel, dp)
-            check_devices(tp * dp, what="data_parallel_size x tensor_parallel_size" if dp > 1 else "tensor_parallel_size")
             if kernels.cpu or kernels.pallas:
                 name = "data_parallel_size" if dp > 1 else "tensor_parallel_size"
                 raise ValueError(f"{name} > 1 runs the pure-XLA layers: use kernels='xla' (or 'auto')")
@@ -130,10 +126,17 @@ class EngineConfig:
         return config
 
 
-def _check_data_parallel(a: EngineArgs, dist: Distributed) -> None:
-    """ValueError naming what data-parallel attention does not serve yet (each needs per-rank device operations)."""
+def check_layout(a: EngineArgs, cfg: ModelConfig, dist: Distributed) -> None:
+    """ValueError naming the field when the parallel layout (tensor_parallel_size, data_parallel_size, expert
+    parallel, nnodes) does not fit the model or the devices, or asks for what data parallel does not serve yet
+    (each of those needs per-rank device operations). Run before loading (LLM) and again in `create`."""
+    tp, dp = a.tensor_parallel_size, a.data_parallel_size
+    dist.check_spans(tp * dp)
     refused = {"speculative": a.speculative is not None, "enable_lora": a.enable_lora,
                "enable_prompt_logprobs": a.enable_prompt_logprobs, "nnodes > 1": dist.multihost}
     for name, on in refused.items():
-        if on:
+        if dp > 1 and on:
             raise ValueError(f"data_parallel_size > 1 does not support {name} yet")
+    if tp * dp > 1:
+        check_divides(cfg, tp, uses_expert_parallel(cfg, tp, a.enable_expert_parallel, dp), dp)
+        check_devices(tp * dp, what="data_parallel_size x tensor_parallel_size" if dp > 1 else "tensor_parallel_size")

@@ -19,14 +19,14 @@ from ..config import ModelConfig
 from ..kernels import resolve_kernels
 from ..frontend.tokenizer import Tokenizer
 from ..parallel import multihost
-from ..parallel.sharding import check_divides, make_mesh, model_rules, param_shardings, uses_expert_parallel
+from ..parallel.sharding import make_mesh, model_rules, param_shardings
 from ..weights import load_model_params
 from .args import EngineArgs
 from .compile_cache import default_compile_cache_dir, enable_compile_cache  # noqa: F401 (re-exported)
 from .core import EngineCore
 from .lora import LoRARequest
 from .sampling_params import SamplingParams
-from .engine_config import EngineConfig
+from .engine_config import EngineConfig, check_layout
 from .speculative import load_token_map
 
 log = logging.getLogger("atlas_jax.engine")
@@ -72,8 +72,7 @@ class LLM:
         tp, dp = a.tensor_parallel_size, a.data_parallel_size
         if type(tp) is int and type(dp) is int and tp > 0 and dp > 0 and tp * dp > 1:
             # shards read alone (EngineConfig checks the values)
-            check_divides(self.cfg, tp, uses_expert_parallel(self.cfg, tp, a.enable_expert_parallel, dp), dp)
-            self.dist.check_spans(tp * dp)
+            check_layout(a, self.cfg, self.dist)
             mesh = make_mesh(tp, dp)
             rules = model_rules(self.cfg, tp, bool(a.enable_expert_parallel), dp)
             placement = lambda specs: param_shardings(specs, mesh, rules)

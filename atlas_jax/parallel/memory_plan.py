@@ -21,7 +21,7 @@ from ..engine.sampling_params import BIAS_COLUMNS
 from ..models import family
 from ..models.layout import abstract_params
 from ..state.cache import state_shapes
-from .sharding import TP, conv_split, kv_shardings, leaf_shardings, model_rules, model_state_shardings, section_tiles
+from .sharding import DP, TP, conv_split, kv_shardings, leaf_shardings, model_rules, model_state_shardings, section_tiles
 
 LIVE_INTERMEDIATES = 4          # activations: fp32 [tokens, widest] buffers assumed live at once
 
@@ -65,15 +65,17 @@ def state_bytes_per_device(cfg: ModelConfig, num_pages: int, page_size: int, num
 
 
 def plan(cfg: ModelConfig, dtype, tp: int = 1, expert_parallel: bool = False, mtp_layers: int = 0,
-         page_size: int = 16, num_drafts: int = 0, tokens: int = 512, rows: int = 256) -> MemoryPlan:
+         page_size: int = 16, num_drafts: int = 0, tokens: int = 512, rows: int = 256, dp: int = 1) -> MemoryPlan:
     """The per-device bytes of serving `cfg` at tensor_parallel_size tp (module doc). num_drafts: MTP drafts per
     step (recurrent slots num_drafts + 1 positions deep, the head's KV pages); tokens / rows: a step's token
-    budget and its sampled rows (activations)."""
+    budget and its sampled rows (activations). dp: data_parallel_size (the weights over the ("dp", "tp") mesh;
+    pages, slots and activations are one rank's, on its tp devices)."""
     mesh = AbstractMesh((tp,), (TP,))
     specs = family(cfg.model_type).param_specs(cfg, mtp_layers)
     params = abstract_params(specs, dtype)
-    rules = model_rules(cfg, tp, expert_parallel)
-    weights = _bytes(params, leaf_shardings(params, specs, mesh, rules))
+    rules = model_rules(cfg, tp, expert_parallel, dp)
+    weight_mesh = AbstractMesh((dp, tp), (DP, TP)) if dp > 1 else mesh
+    weights = _bytes(params, leaf_shardings(params, specs, weight_mesh, rules))
     total = sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))
     head_kv = mtp_layers if num_drafts else 0
     state = lambda pages, slots, snaps=0: state_bytes_per_device(cfg, pages, page_size, slots, dtype, mesh,

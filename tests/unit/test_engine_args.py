@@ -97,6 +97,21 @@ def test_tensor_parallel_size_is_checked(tiny_model_path, tp, message):
 
 
 @pytest.mark.parametrize("kw,message", [
+    ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer"),
+    ({"data_parallel_size": 2}, "data_parallel_size x tensor_parallel_size 2 needs that many devices; 1 are visible"),
+    ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "x tensor_parallel_size 4 needs that many devices"),
+    ({"data_parallel_size": 2, "speculative": {"method": "ngram", "num_drafts": 2}},
+     "data_parallel_size > 1 does not support speculative yet"),
+    ({"data_parallel_size": 2, "enable_lora": True}, "does not support enable_lora yet"),
+    ({"data_parallel_size": 2, "enable_prompt_logprobs": True}, "does not support enable_prompt_logprobs yet")])
+def test_data_parallel_size_is_checked(tiny_model_path, kw, message):
+    """A data-parallel layout the devices cannot hold, or with a feature data parallel does not serve yet, is
+    refused before anything is loaded, naming it (data parallel itself: tests/engine/test_data_parallel.py)."""
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model_path, dtype="float32", warmup=False, compile_cache_dir="", **kw)
+
+
+@pytest.mark.parametrize("kw,message", [
     ({"nnodes": 2}, "nnodes 2 needs dist_init_addr HOST:PORT"),
     ({"nnodes": 2, "dist_init_addr": "nohost"}, "needs dist_init_addr HOST:PORT"),
     ({"nnodes": 2, "node_rank": 2, "dist_init_addr": "127.0.0.1:1"}, r"node_rank must be in \[0, nnodes = 2\)"),
