@@ -1,6 +1,10 @@
 """Helpers shared by test modules (test modules never import each other): random GDN kernel inputs, a
-SamplingBatch with defaults, and the hypothesis request bodies the HTTP fuzz tests send."""
+SamplingBatch with defaults, the hypothesis request bodies the HTTP fuzz tests send, and a worker script run in
+a child process (a fixed virtual device count)."""
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -100,3 +104,15 @@ def fuzz_check(post, path, body):
         assert set(r.json()["error"]) == {"message", "type", "param", "code"}
     elif body.get("stream") is True:
         assert r.text.rstrip().endswith("data: [DONE]"), r.text[-300:]
+
+
+# ---- a worker script in a child process (tests/engine/test_tensor_parallel.py, test_data_parallel.py) --------
+def run_worker(script: str, workdir, timeout: int = 1200) -> dict:
+    """Run `script` (python -c, argv[1] = workdir; TESTS_DIR on the environment for `import hf_models`) on CPU and
+    return the JSON of its "RESULT " line (its stderr's tail in the failure when there is none)."""
+    env = {**os.environ, "TESTS_DIR": os.path.dirname(__file__), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", script, str(workdir)], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])

@@ -4,12 +4,8 @@ devices) equal one device's on tiny Qwen3-Next, Nemotron-H and Qwen3-MoE (1 KV h
 the sequences spread over the ranks, each rank's pools really its own (the state split by "dp"), the experts
 whole per device; the prefix cache hits on the rank that holds the prefix; preemption by recompute on a rank
 whose pages run out; nothing compiles after warm-up."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_worker
 
 WORKER = r"""
 import json, os, sys
@@ -102,12 +98,7 @@ FAMILIES = ["qwen3_next", "nemotron_h", "qwen3_moe"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = {**os.environ, "TESTS_DIR": os.path.dirname(os.path.dirname(__file__)), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path_factory.mktemp("dp"))], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return run_worker(WORKER, tmp_path_factory.mktemp("dp"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)

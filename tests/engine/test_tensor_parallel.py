@@ -1,12 +1,8 @@
 """Tensor parallel on 4 virtual CPU devices (a child process: the device count is fixed when jax starts):
 greedy and seeded tokens with tp 2 / 4 equal one device's on tiny Qwen3-Next, Nemotron-H and Qwen3.5-MoE, the params and
 state really split by the sharding rules (each split leaf's shard holds 1 / tp of it), no compile after warm-up."""
-import json
-import os
-import subprocess
-import sys
-
 import pytest
+from helpers import run_worker
 
 WORKER = r"""
 import json, os, sys
@@ -141,12 +137,7 @@ FAMILIES = ["qwen3_next", "nemotron_h", "qwen3_5_moe"]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    env = {**os.environ, "TESTS_DIR": os.path.dirname(os.path.dirname(__file__)), "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(tmp_path_factory.mktemp("tp"))], env=env,
-                          capture_output=True, text=True, timeout=1200)
-    line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
-    assert line, proc.stderr[-4000:]
-    return json.loads(line[len("RESULT "):])
+    return run_worker(WORKER, tmp_path_factory.mktemp("tp"))
 
 
 @pytest.mark.parametrize("family", FAMILIES)
