@@ -140,9 +140,10 @@ class EngineCore(EngineIntrospection):
     def step(self) -> list[Request]:
         """Schedule and run one step. Returns the requests that got tokens, finished or failed.
 
-        Async scheduling (the default without speculation): the step is dispatched and the step before
-        it is resolved while the device runs it, so the host reads a step's tokens one step late
-        (`Sequence.pending`; the device feeds them from `EngineState.last_tokens`). Outputs equal
+        Async scheduling (the default; with a drafter where it drafts on the device, `_overlaps`): the
+        step is dispatched and the step before it is resolved while the device runs it, so the host
+        reads a step's tokens one step late (`Sequence.pending`; the device feeds them from
+        `EngineState.last_tokens`). Outputs equal
         synchronous stepping: the host's bookkeeping that a step's ops depend on (cache progress,
         pages, prefix registration, snapshots) is exact at dispatch, only token ids wait; a sequence
         that turns out to have finished had one more row run, whose token is dropped.
@@ -190,11 +191,11 @@ class EngineCore(EngineIntrospection):
         return self._overlaps() and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
 
     def _overlaps(self) -> bool:
-        """Async scheduling applies: no drafter, or MTP (its drafts never leave the device) without the prefix
-        cache (its snapshots need exact positions at dispatch)."""
+        """Async scheduling applies: no drafter, or drafts made on the device (MTP, device ngram: they never
+        leave it) without the prefix cache (its snapshots need exact positions at dispatch)."""
         if not self.async_scheduling:
             return False
-        return self.proposer is None or (self.config.mtp_drafts > 0 and self.scheduler.cache is None)
+        return self.proposer is None or (self.config.device_drafts > 0 and self.scheduler.cache is None)
 
     def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
         """One forward, dispatched: a verify step when a decoding row has drafts or is behind a verify row in
@@ -234,7 +235,7 @@ class EngineCore(EngineIntrospection):
         if seq.num_uncached:
             return False                                  # a prompt chunk that did not reach the end
         seq.pending += 1
-        seq.device_drafts = self.config.mtp_drafts if draft_ok else 0
+        seq.device_drafts = self.config.device_drafts if draft_ok else 0
         return True
 
     def _resolve(self, touched: dict, flight: "InFlight | None" = None) -> None:

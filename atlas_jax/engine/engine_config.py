@@ -74,6 +74,17 @@ class EngineConfig:
         return s.num_drafts if s is not None and s.method == "mtp" else 0
 
     @property
+    def ngram_on_device(self) -> bool:
+        """ngram drafts made by the device (device_ngram.py) so that verify steps overlap: where async scheduling
+        applies (no prefix cache). Elsewhere the host's NgramProposer, whose unmatched rows decode plainly."""
+        return self.scheduler.device_ngram
+
+    @property
+    def device_drafts(self) -> int:
+        """Drafts the device leaves per row for its next verify (MTP, or ngram on the device; 0: none)."""
+        return self.speculative.num_drafts if self.mtp_drafts or self.ngram_on_device else 0
+
+    @property
     def max_verify_tokens(self) -> int:
         return 1 + (self.speculative.num_drafts if self.speculative else 0)
 
@@ -118,7 +129,8 @@ class EngineConfig:
             preemption_mode="recompute" if dist.multihost or dp > 1 else a.preemption_mode, swap_space_bytes=int(a.swap_space_gb * 2**30),
             watermark_pages=default_watermark(num_pages), num_drafts=spec.num_drafts if spec else 0,
             mtp_drafts=spec.num_drafts if spec is not None and spec.method == "mtp" else 0,
-            max_model_len=max_model_len)
+            max_model_len=max_model_len, device_ngram=spec is not None and spec.method == "ngram"
+            and bool(a.async_scheduling) and not a.enable_prefix_caching)
         lora = LoRAConfig(a.max_loras, a.max_lora_rank, a.max_cpu_loras) if a.enable_lora else None
         config = cls(cfg, dtype, kernels, max_model_len, cache, sched, spec, lora, a.seed, bool(a.async_scheduling),
                      mtp_layers, tp, dp, expert_parallel, dist)

@@ -38,6 +38,7 @@ from ..parallel.sharding import (abstract_sharded, conv_split, engine_mesh, mode
 from ..state.cache import init_snapshots, init_state
 from . import steps
 from .buckets import Grid, bucket
+from .device_ngram import NgramSpec
 from .executables import Executables
 from .input_batch import InputBatch, RankedBatch
 from .row import RowInput
@@ -111,17 +112,17 @@ class Launched:
     sampled: object            # SampleOut (device): one plain sample per sampling row
     live: list[int]            # sampling rows that are real rows, in `decode + prefill` order
     logprobs: bool             # some row asked for logprobs
-    runs: tuple = ()           # verify steps: (emitted [B, K], count [B]) on the device
+    runs: tuple = ()           # verify steps: (emitted [B, K], count [B], drafted [B]) on the device
     verify_rows: int = 0       # verify steps: the real verify rows (the first of `live`)
 
     def fetch(self) -> dict[str, np.ndarray]:
-        """Wait for the step; its outputs as host arrays (ModelRunner.step; verify steps add emitted [rows, K]
-        and count [rows] of the verify rows). The time blocked here adds to `runner.wait_seconds`."""
+        """Wait for the step; its outputs as host arrays (ModelRunner.step; verify steps add emitted [rows, K],
+        count [rows] and drafted [rows], the drafts fed, of the verify rows). The time blocked here adds to
+        `runner.wait_seconds`."""
         self.runner.wait((self.sampled, self.runs))
         out = host_outputs(self.sampled, self.live, self.logprobs)
-        if self.runs:
-            emitted, count = (to_host(x) for x in self.runs)
-            out["emitted"], out["count"] = emitted[:self.verify_rows], count[:self.verify_rows]
+        for name, x in zip(("emitted", "count", "drafted"), self.runs):
+            out[name] = to_host(x)[:self.verify_rows]
         return out
 
 
@@ -132,7 +133,9 @@ class ModelRunner:
         the MTP head drafts among these tokens only (params["mtp_vocab"], models/mtp.py)."""
         cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
-        mtp_drafts, verify_tokens = config.mtp_drafts, config.max_verify_tokens
+        mtp_drafts, verify_tokens, device_drafts = config.mtp_drafts, config.max_verify_tokens, config.device_drafts
+        spec = config.speculative
+        ngram = NgramSpec(spec.ngram_min, spec.ngram_max, spec.num_drafts) if config.ngram_on_device else None
         self.dp = config.data_parallel_size          # > 1: the pools and batches below are per rank, D of each
         self.mesh = engine_mesh(config.tensor_parallel_size, self.dp)
         self.params, abstract = served_params(config, params, mtp_token_ids, self.mesh)
@@ -152,9 +155,10 @@ class ModelRunner:
                 init_penalty_state(c.num_slots, cfg.vocab_size),
                 init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
                 init_snapshots(cfg, c.num_snapshots, dtype), {}, jnp.zeros((c.num_slots,), jnp.int32),
-                jnp.zeros((c.num_slots, mtp_drafts), jnp.int32) if mtp_drafts else None,
-                jnp.zeros((c.num_slots,), jnp.int32) if mtp_drafts else None,
-                init_slot_sampling(c.num_slots, BIAS_COLUMNS)))
+                jnp.zeros((c.num_slots, device_drafts), jnp.int32) if device_drafts else None,
+                jnp.zeros((c.num_slots,), jnp.int32) if device_drafts else None,
+                init_slot_sampling(c.num_slots, BIAS_COLUMNS),
+                jnp.zeros((c.num_slots, c.max_pages_per_seq * c.page_size), jnp.int32) if ngram else None))
         self.state_sharding = None
         if self.dp > 1:                              # made in place, split over the ranks (parallel/data_parallel.py)
             ranked = functools.partial(init, self.dp)
@@ -172,7 +176,7 @@ class ModelRunner:
         self.section_tiles = kernels.section_tiles      # adapters' B of tiled projections are tiled alike
         self.tiled_sections = {".".join(map(str, s.path)): s.sections for s in config.param_specs()
                                if s.sections and s.role == "proj"} if kernels.section_tiles > 1 else {}
-        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, verify_tokens - 1, self.state_sharding,
+        self.exes = Executables(self._jitted(cfg, kernels, mtp_drafts, ngram, verify_tokens - 1, self.state_sharding,
                                              self.mesh, abstract if self.dp > 1 else None), abstract, self.state)
         dist = config.dist                           # rank 0 publishes every device call; the others follow it
         self.channel = CallChannel() if dist.multihost else None
@@ -181,14 +185,15 @@ class ModelRunner:
         self.step_counts = {"decode": 0, "prefill": 0, "mixed": 0, "verify": 0, "verify_mixed": 0, "draft": 0}   # steps run
 
     @staticmethod
-    def _jitted(cfg, kernels, mtp_drafts: int, num_drafts: int, state_sharding=None, mesh=None,
+    def _jitted(cfg, kernels, mtp_drafts: int, ngram, num_drafts: int, state_sharding=None, mesh=None,
                 per_rank_params=None) -> dict:
         """kind -> jit(fn(params, state, *args)) with the state donated. per_rank_params (data parallel: the
         abstract params): the kinds a data-parallel engine serves, each run per dp rank."""
         part = functools.partial
-        fns = {"step": part(steps.step, cfg, kernels, mtp_drafts), "logits": part(steps.logits_step, cfg, kernels),
+        fns = {"step": part(steps.step, cfg, kernels, mtp_drafts, ngram),
+               "logits": part(steps.logits_step, cfg, kernels),
                "score": part(steps.score_step, cfg, kernels, min(MAX_LOGPROBS, cfg.vocab_size)),
-               "verify": part(steps.verify_step, cfg, kernels, mtp_drafts),
+               "verify": part(steps.verify_step, cfg, kernels, mtp_drafts, ngram),
                "draft": part(steps.self_draft_step, cfg, kernels, num_drafts),
                "save_pages": steps.save_pages, "save_slot": steps.save_slot, "restore_pages": steps.restore_pages,
                "restore_slot": steps.restore_slot, "snapshot": steps.take_snapshot, "prefix": steps.load_prefix,
@@ -378,15 +383,16 @@ class ModelRunner:
         sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
         segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
                                                                   sampling_rows, verify=True)
-        first, emitted, count, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col, mtp_in)
+        first, emitted, count, drafted, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col,
+                                                      mtp_in)
         self.batch.commit()
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
         live = [i for i, r in enumerate(sampling_rows) if r is not None]
         return Launched(self, first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)),
-                        (emitted, count), len(rows))
+                        (emitted, count, drafted), len(rows))
 
     def device_drafts(self, slot: int) -> np.ndarray:
-        """MTP: the drafts slot's last step made, waiting on the device for its next verify row."""
+        """MTP / device ngram: the drafts slot's last step made, waiting on the device for its next verify row."""
         return to_host(self.state.last_drafts)[slot]
 
     def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:

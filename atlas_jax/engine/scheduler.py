@@ -74,6 +74,7 @@ class SchedulerConfig:
     num_drafts: int = 0              # speculative drafts per decode row (0: no speculation)
     mtp_drafts: int = 0              # drafts the MTP head makes per row and step (0: no MTP head)
     max_model_len: int = 0           # the MTP head drafts only within it
+    device_ngram: bool = False       # ngram drafts made on the device from every row that samples (no pages)
 
 
 class Scheduler:
@@ -182,15 +183,18 @@ class Scheduler:
 
     def _draft_lookahead(self, plan: SchedulerOutput) -> None:
         """Pages for drafts, from free pages only (never preempting): per decode row the drafts it may
-        verify (speculative.draft_caps), and the rows the MTP head may draft from (their pages cover what
-        the head writes: the fed tokens and mtp_drafts - 1 more)."""
+        verify (speculative.draft_caps), and the rows the device drafts from: (MTP) where their pages cover
+        what the head writes (the fed tokens and mtp_drafts - 1 more), (device ngram) every row that samples."""
         cfg = self.config
         if cfg.num_drafts:
             plan.draft_caps = dict(zip(plan.decode, draft_caps(plan.decode, cfg.num_drafts, self.lookahead)))
-        if not cfg.mtp_drafts:
+        if not (cfg.mtp_drafts or cfg.device_ngram):
             return
         for seq, n in [(s, 1) for s in plan.decode] + plan.prefill:
             if seq.num_cached + n == seq.num_tokens and wants_drafts(seq):
+                if cfg.device_ngram:                    # prompt lookup writes no KV
+                    plan.draft_ok.add(seq)
+                    continue
                 fed = n + min(plan.draft_caps.get(seq, 0), seq.device_drafts)   # MTP verifies the device's drafts
                 need = seq.num_cached + seq.slack + fed + cfg.mtp_drafts - 1
                 if need <= cfg.max_model_len and self.lookahead(seq, need) >= need:

@@ -70,7 +70,7 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_cached: int = 0
     state_idx: int = 0                         # recurrent-state position holding the state after num_cached
-    device_drafts: int = 0                     # MTP: drafts its last step left on the device (steps.DRAFT)
+    device_drafts: int = 0                     # MTP / device ngram: drafts its last step left on the device
     slack: int = 0                             # drafts of its verify row in flight (async): num_cached and
                                                # num_tokens may be up to this much behind until it resolves
     pending: int = 0                           # sampled tokens still on the device (async scheduling): <= 1 when

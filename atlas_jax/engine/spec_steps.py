@@ -47,9 +47,10 @@ def resolve_row(core, seq: Sequence, drafted: int, out: dict, i: int, touched: d
     seq.num_cached += count - 1                 # the accepted drafts are cached
     if not seq.pending:
         seq.state_idx = count - 1               # ... and their recurrent state is at this position
+    fed = int(out["drafted"][i])                # (device drafts: the valid ones, steps.chase)
     core.spec_stats.record_decode(1, count)
-    if drafted:
-        core.spec_stats.record(drafted, count - 1)
+    if fed:
+        core.spec_stats.record(fed, count - 1)
     logprobs = None if drafted else row_logprobs(seq, out, i)
     for tok in out["emitted"][i, :count]:
         seq.append(int(tok), logprobs)

@@ -151,10 +151,11 @@ class NgramProposer(Proposer):
         return []
 
 
-class MtpProposer(Proposer):
-    """The checkpoint's MTP head (models/mtp.py). Its drafts are made on device by the step that
-    emitted the sequence's last token (steps.py) and stay there (EngineState.last_drafts): the host
-    proposes placeholders (steps.DRAFT), Sequence.device_drafts of them at most."""
+class DeviceProposer(Proposer):
+    """Drafts made on the device by the step that emitted the sequence's last token (steps.py): the
+    checkpoint's MTP head (models/mtp.py), or prompt lookup over the device's token history
+    (device_ngram.py). They stay there (EngineState.last_drafts): the host proposes placeholders
+    (steps.DRAFT), Sequence.device_drafts of them at most; the verify step feeds the valid ones."""
 
     def propose(self, seqs, max_drafts):
         return [[DRAFT] * min(k, s.device_drafts) for s, k in zip(seqs, max_drafts)]
@@ -188,9 +189,9 @@ def make_proposer(spec: SpeculativeConfig, engine) -> Proposer:
     if spec.method == "mtp":
         if not engine.runner.state.draft_kv:
             raise ValueError("speculative method 'mtp' needs a checkpoint with mtp.* tensors (none were loaded)")
-        return MtpProposer()
+        return DeviceProposer()
     if spec.method == "ngram":
-        return NgramProposer(spec.ngram_min, spec.ngram_max)
+        return DeviceProposer() if engine.config.ngram_on_device else NgramProposer(spec.ngram_min, spec.ngram_max)
     if spec.method == "self":
         if not engine.cfg.recurrent_layers:
             raise ValueError("speculative method 'self' drafts with the attention layers only; this model has "

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from ..models import mtp
+from . import device_ngram
 from ..layers.lora import with_pool
 from ..models.decoder import argmax, forward, last_positions, lm_head
 from ..state.cache import ModelState
@@ -39,6 +40,8 @@ class EngineState:
                                # chase row (state_idx < 0: the host has not read it yet) moves by
     sampling: SlotSampling | None = None   # the persistent batch: each slot's sampling parameters [S + 1]
                                # (sampler.SlotSampling), rewritten only where a step's SamplingInput says
+    history: jax.Array | None = None   # ngram on the device: [S, L] i32 each slot's tokens by position, valid
+                               # below its sequence's length (device_ngram.py)
 
 
 def fill_pending(segments, last_tokens):
@@ -56,7 +59,8 @@ def chase(state: EngineState, seg, sampling, drafts, room):
     was built by the host before its previous verify row's acceptance was known, as if it accepted
     none: it moves by that row's accepted count a (start, sampling step, state position a) and keeps
     at most room - a drafts (room: the drafts the row may verify before its request's length limit,
-    counted without a). Returns (seg, sampling over the B rows, drafts [B, K], -1 where none)."""
+    counted without a), and at most the leading valid (>= 0) drafts the device holds. Returns (seg, sampling
+    over the B rows, drafts [B, K], -1 where none)."""
     b, k = seg.tokens.shape
     if state.last_drafts is None:
         return seg, sampling, drafts
@@ -67,7 +71,9 @@ def chase(state: EngineState, seg, sampling, drafts, room):
     drafts = jnp.where(drafts == DRAFT, jnp.pad(held[:, 1:], ((0, 0), (0, 1))), drafts)
     chased = seg.state_idx < 0
     a = jnp.where(chased, jnp.take(state.last_accept, seg.slot, mode="clip"), 0)
+    ready = jnp.sum(jnp.cumprod(held[:, 1:] >= 0, axis=1), axis=1)         # the device's drafts (ngram: some -1)
     cap = jnp.clip(jnp.minimum(seg.q_len - 1, room - a), 0)
+    cap = jnp.where(seg.tokens[:, 1] == DRAFT, jnp.minimum(cap, ready), cap)
     drafts = jnp.where(col < cap[:, None], drafts, -1)
     seg = dataclasses.replace(seg, tokens=jnp.where(col <= cap[:, None], tokens, 0), start=seg.start + a,
                               q_len=jnp.where(seg.q_len > 0, 1 + cap, 0), state_idx=jnp.where(chased, a, seg.state_idx))
@@ -88,16 +94,17 @@ def _params(params, state: EngineState):
     return with_pool(params, state.lora)
 
 
-def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling_in: SamplingInput, prompt_lens,
-         mtp_in):
-    """Decode rows and prefill chunks; one sampled token per row (+ MTP drafts)."""
+def step(cfg, kernels, mtp_drafts, ngram, params, state: EngineState, segments, sampling_in: SamplingInput,
+         prompt_lens, mtp_in):
+    """Decode rows and prefill chunks; one sampled token per row (+ MTP or ngram drafts: `ngram` a
+    device_ngram.NgramSpec, or None)."""
     columns, sampling = sampling_in.resolve(state.sampling)
     segments = fill_pending(segments, state.last_tokens)
     penalties = record_fed_tokens(state.penalties, segments, prompt_lens)
     logits, hidden, model = forward(_params(params, state), state.model, segments, cfg, kernels=kernels,
                                     all_hidden=mtp_drafts > 0)
     out = sample(logits, sampling, penalties)
-    drafts, draft_kv = None, state.draft_kv
+    drafts, draft_kv, history = None, state.draft_kv, state.history
     if mtp_drafts:
         next_tokens, draft_ok = mtp_in
         emitted, offset, tokens = out.tokens, 0, []
@@ -107,19 +114,25 @@ def step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, samplin
             offset += b
         drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, [s.q_len for s in segments],
                                        draft_ok, cfg, mtp_drafts, kernels)
+    if ngram is not None:
+        ends = jnp.concatenate([seg.start + seg.q_len for seg in segments])
+        live = jnp.concatenate([(seg.q_len > 0).astype(jnp.int32) for seg in segments])
+        history, drafts = device_ngram.advance(history, segments, out.tokens[:, None], ends, live, ngram)
     return (out, drafts), dataclasses.replace(state, model=model, penalties=penalties, draft_kv=draft_kv,
-                                              sampling=columns, **record_sampled(state, sampling, out.tokens, drafts))
+                                              sampling=columns, history=history,
+                                              **record_sampled(state, sampling, out.tokens, drafts))
 
 
-def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, sampling_in: SamplingInput,
+def verify_step(cfg, kernels, mtp_drafts, ngram, params, state: EngineState, segments, sampling_in: SamplingInput,
                 prompt_lens, drafts, room, mtp_in):
     """A [B, K] segment of rows feeding (last token, drafts...), optionally followed by a prefill
     segment [Bp, Tp] (a mixed step); PENDING / DRAFT tokens and chase rows are resolved first (`chase`).
     The plain sample at each verify row's position 0 (for rows without drafts: penalties, logprobs)
     and at each prefill row's last token (sampling covers the B verify rows then the prefill rows),
     the acceptance test at every verify position, and MTP drafts for the next step (from each verify
-    row's accepted position). Returns (first: the plain samples, emitted [B, K]: each verify row's
-    tokens (its accepted drafts, then the target's; -1 after them), count [B], new drafts or None)."""
+    row's accepted position; or ngram drafts from each row's new context). Returns (first: the plain
+    samples, emitted [B, K]: each verify row's tokens (its accepted drafts, then the target's; -1 after
+    them), count [B], drafted [B]: the drafts each row fed, new drafts or None)."""
     columns, sampling = sampling_in.resolve(state.sampling)
     seg = segments[0]
     b, k = seg.tokens.shape
@@ -152,11 +165,20 @@ def verify_step(cfg, kernels, mtp_drafts, params, state: EngineState, segments, 
             catch.append(segments[1].q_len)
         new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
                                            mtp_drafts, kernels)
+    history = state.history
+    if ngram is not None:                        # verify rows emit from start + 1, prefill rows after their chunk
+        rest = segments[1:]
+        runs = jnp.concatenate([emitted, jnp.pad(first.tokens[b:, None], ((0, 0), (0, k - 1)), constant_values=-1)])
+        at = jnp.concatenate([seg.start + 1] + [s.start + s.q_len for s in rest])
+        count = jnp.concatenate([jnp.where(seg.q_len > 0, accepted + 1, 0)] + [(s.q_len > 0).astype(jnp.int32)
+                                                                                 for s in rest])
+        history, new_drafts = device_ngram.advance(history, segments, runs, at, count, ngram)
     pad = jnp.zeros((first.tokens.shape[0] - b,), jnp.int32)
     written = record_sampled(state, sampling, jnp.concatenate([last, first.tokens[b:]]), new_drafts,
                              jnp.concatenate([accepted.astype(jnp.int32), pad]))
-    return (first, emitted, accepted + 1, new_drafts), dataclasses.replace(
-        state, model=model, penalties=penalties, draft_kv=draft_kv, sampling=columns, **written)
+    drafted = jnp.sum(drafts >= 0, axis=1).astype(jnp.int32)
+    return (first, emitted, accepted + 1, drafted, new_drafts), dataclasses.replace(
+        state, model=model, penalties=penalties, draft_kv=draft_kv, sampling=columns, history=history, **written)
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
@@ -195,11 +217,13 @@ def save_pages(params, state: EngineState, pages):
 
 
 def save_slot(params, state: EngineState, slot):
-    """Copy of one slot's recurrent state, penalty history and (MTP) drafts: swap-out's per-sequence part."""
+    """Copy of one slot's recurrent state, penalty history, device drafts and (ngram) token history:
+    swap-out's per-sequence part."""
     del params
     ssm = tuple((h[slot], c[slot]) for h, c in state.model.ssm)
-    drafts = () if state.last_drafts is None else state.last_drafts[slot]
-    return (ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot], drafts), state
+    row = lambda pool: () if pool is None else pool[slot]
+    return (ssm, state.penalties.in_prompt[slot], state.penalties.out_count[slot], row(state.last_drafts),
+            row(state.history)), state
 
 
 def restore_pages(params, state: EngineState, pages, saved):
@@ -214,13 +238,13 @@ def restore_pages(params, state: EngineState, pages, saved):
 def restore_slot(params, state: EngineState, slot, saved):
     """Inverse of `save_slot` into (possibly another) slot."""
     del params
-    ssm_s, in_prompt, out_count, drafts = saved
+    ssm_s, in_prompt, out_count, drafts, history = saved
     ssm = tuple((h.at[slot].set(hs), c.at[slot].set(cs)) for (h, c), (hs, cs) in zip(state.model.ssm, ssm_s))
     pen = PenaltyState(state.penalties.in_prompt.at[slot].set(in_prompt),
                        state.penalties.out_count.at[slot].set(out_count))
-    last_drafts = None if state.last_drafts is None else state.last_drafts.at[slot].set(drafts)
+    put = lambda pool, row: None if pool is None else pool.at[slot].set(row)
     return None, dataclasses.replace(state, model=dataclasses.replace(state.model, ssm=ssm), penalties=pen,
-                                     last_drafts=last_drafts)
+                                     last_drafts=put(state.last_drafts, drafts), history=put(state.history, history))
 
 
 def take_snapshot(params, state: EngineState, slot, idx, snap):
@@ -248,8 +272,11 @@ def load_prefix(params, state: EngineState, slot, snap, cow_src, cow_dst, tokens
     out_count = state.penalties.out_count.at[slot].set(0)
     out_count = out_count.at[jnp.where((pos < n) & (pos >= prompt_len), slot, none), tokens].add(1, mode="drop")
     m = len(state.model.kv)
+    history = state.history                  # (ngram on the device) the prefix's tokens; beyond n unread
+    if history is not None:
+        history = history.at[slot].set(tokens)
     return None, dataclasses.replace(state, model=ModelState(kv=kv[:m], ssm=ssm),
-                                     penalties=PenaltyState(in_prompt, out_count), draft_kv=kv[m:])
+                                     penalties=PenaltyState(in_prompt, out_count), draft_kv=kv[m:], history=history)
 
 
 def load_adapter(params, state: EngineState, slot, weights):

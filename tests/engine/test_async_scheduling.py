@@ -13,6 +13,7 @@ import pytest
 from conftest import random_prompts
 
 from atlas_jax import SamplingParams
+from atlas_jax.engine.speculative import DeviceProposer, NgramProposer
 import atlas_jax.engine.runner as runner_mod
 
 PROMPTS = random_prompts(512, [5, 13, 9, 21, 7, 30], seed=8)
@@ -159,14 +160,8 @@ def _mtp_params():
             SamplingParams(max_tokens=30, temperature=0.6, seed=9, presence_penalty=0.4)]   # no drafts: penalty
 
 
-def test_mtp_async_equals_sync_and_overlaps_verify(mtp_llm):
-    """MTP with async scheduling: the verify row after one in flight is dispatched before its acceptance is
-    read (a chase row); outputs equal synchronous stepping's, drafts are accepted, nothing leaks."""
-    core, prompts = mtp_llm.engine, _code_prompts()
-    assert core._overlaps()
-    sync = _generate(mtp_llm, False, prompts, _mtp_params())
-    stats_sync = mtp_llm.spec_stats()
-    assert stats_sync["accepted"] > 20
+def _verify_overlap(core, fn):
+    """(fn(), verify steps, those dispatched before the verify step before them was read)."""
     events, launch, fetch = [], core.runner.launch_verify, runner_mod.Launched.fetch
     def launch_verify(*a, **k):
         launched = launch(*a, **k)
@@ -175,17 +170,28 @@ def test_mtp_async_equals_sync_and_overlaps_verify(mtp_llm):
     core.runner.launch_verify = launch_verify
     runner_mod.Launched.fetch = lambda self: (events.append(("fetch", id(self))), fetch(self))[1]
     try:
-        before = core.num_overlapped
-        asyn = _generate(mtp_llm, True, prompts, _mtp_params())
+        out = fn()
     finally:
         del core.runner.launch_verify
         runner_mod.Launched.fetch = fetch
-    assert_same(asyn, sync)
-    assert core.num_overlapped > before
     verified = [i for i, (kind, _) in enumerate(events) if kind == "verify"]
     read = {key: i for i, (kind, key) in enumerate(events) if kind == "fetch"}
-    ahead = [i for i, j in zip(verified, verified[1:]) if read[events[i][1]] > j]
-    assert len(ahead) > len(verified) // 2        # verify t+1 dispatched before verify t was read
+    return out, len(verified), sum(read[events[i][1]] > j for i, j in zip(verified, verified[1:]))
+
+
+def test_mtp_async_equals_sync_and_overlaps_verify(mtp_llm):
+    """MTP with async scheduling: the verify row after one in flight is dispatched before its acceptance is
+    read (a chase row); outputs equal synchronous stepping's, drafts are accepted, nothing leaks."""
+    core, prompts = mtp_llm.engine, _code_prompts()
+    assert core._overlaps()
+    sync = _generate(mtp_llm, False, prompts, _mtp_params())
+    stats_sync = mtp_llm.spec_stats()
+    assert stats_sync["accepted"] > 20
+    before = core.num_overlapped
+    asyn, verified, ahead = _verify_overlap(core, lambda: _generate(mtp_llm, True, prompts, _mtp_params()))
+    assert_same(asyn, sync)
+    assert core.num_overlapped > before
+    assert ahead > verified // 2                  # verify t+1 dispatched before verify t was read
     assert mtp_llm.spec_stats()["accepted"] > 2 * stats_sync["accepted"] - 5   # (cumulative: both runs accept)
     assert core.blocks.num_free == core.num_pages and core.slots.num_free == core.config.max_num_seqs
 
@@ -225,3 +231,69 @@ def test_mtp_async_under_preemption_and_aborts(mtp_llm, mode):
                                                                               ignore_eos=True)] * 2)
     assert [r.seqs[0].output_ids for r in (reqs[0], reqs[2])] == [o[0][0] for o in ref]
     assert core.blocks.num_free == core.num_pages and core.slots.num_free == core.config.max_num_seqs
+
+
+# ---- ngram: drafted on the device (engine/device_ngram.py), verify steps overlapped --------------------------
+
+@pytest.fixture(scope="module")
+def ngram_llm():
+    """atlas-tiny with 3 ngram drafts and no prefix cache: the drafts are made on the device."""
+    from atlas_jax import LLM
+    llm = LLM(speculative={"method": "ngram", "num_drafts": 3}, dtype="float32", page_size=8, max_num_seqs=4,
+              max_model_len=192, max_prefill_chunk=64, warmup=False, progress=False, compile_cache_dir="")
+    assert llm.engine.config.ngram_on_device and isinstance(llm.engine.proposer, DeviceProposer)
+    return llm
+
+
+def _against_host_ngram(llm, on: bool):
+    """(outputs, draft stats) with the device's drafts (async `on`), then with the host's NgramProposer
+    (synchronous): the reference, whose drafts the device must reproduce exactly."""
+    core, results = llm.engine, []
+    for proposer, asyn in ((core.proposer, on), (NgramProposer(1, 4), False)):
+        saved, core.proposer = core.proposer, proposer
+        before = dict(core.spec_stats.__dict__)
+        try:
+            out = _generate(llm, asyn, _code_prompts(), _mtp_params())
+        finally:
+            core.proposer = saved
+        results.append((out, {k: getattr(core.spec_stats, k) - before[k] for k in ("rows", "drafted", "accepted")}))
+    return results
+
+
+def test_ngram_on_device_overlaps_and_drafts_as_the_host_does(ngram_llm):
+    """The same outputs and the same drafts (rows with drafts, drafted, accepted) as the host's proposer run
+    synchronously; verify t+1 is dispatched before verify t is read; nothing leaks."""
+    core = ngram_llm.engine
+    assert core._overlaps()
+    before = core.num_overlapped
+    ((device, dstats), (host, hstats)), verified, ahead = _verify_overlap(
+        core, lambda: _against_host_ngram(ngram_llm, True))
+    assert_same(device, host)
+    assert dstats == hstats and dstats["accepted"] > 10
+    assert core.num_overlapped > before and ahead > verified // 3
+    assert core.blocks.num_free == core.num_pages and core.slots.num_free == core.config.max_num_seqs
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_ngram_on_device_under_preemption(ngram_llm, mode):
+    """Pages short: preempted sequences keep their token history (swap moves it, recompute rewrites it).
+    Stepped synchronously (the same schedule as the host proposer's) the drafts equal the host's; async
+    (other preemption points, and drafts capped by the pages free then) the outputs still do."""
+    core = ngram_llm.engine
+    sched = core.scheduler
+    saved = sched.config
+    sched.config = dataclasses.replace(saved, preemption_mode=mode)
+    held = core.blocks.allocate(core.blocks.num_free - 24)
+    try:
+        before = sched.num_preemptions[mode]
+        (device, dstats), (host, hstats) = _against_host_ngram(ngram_llm, False)
+        assert sched.num_preemptions[mode] > before
+        before = sched.num_preemptions[mode]
+        asyn = _generate(ngram_llm, True, _code_prompts(), _mtp_params())
+        assert sched.num_preemptions[mode] > before
+    finally:
+        core.blocks.free(held)
+        sched.config = saved
+    assert dstats == hstats
+    assert_same(device, host)
+    assert_same(asyn, host)
