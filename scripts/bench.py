@@ -288,20 +288,30 @@ def decode_seconds_per_token(llm, prompts, params, batch: int, timings: dict | N
 
 def _sync_vs_async(llm, prompts, params, batch: int) -> dict:
     """Decode with async scheduling on and off, interleaved (best of 2 each): tokens/s, and per decode step the
-    host's own time and the time blocked on the device (async: the host prepares step t+1 while step t runs)."""
+    host's own time and the time blocked on the device (async: the host prepares step t+1 while step t runs).
+    An engine whose ngram drafts are made on the device also runs the host's NgramProposer, synchronous (what
+    it does with the prefix cache): host_sync, and device_async_vs_host_sync."""
+    from atlas_jax.engine.speculative import NgramProposer
     core, out = llm.engine, {}
+    modes = [("async", True, core.proposer), ("sync", False, core.proposer)]
+    if core.config.ngram_on_device:
+        spec = core.config.speculative
+        modes.append(("host_sync", False, NgramProposer(spec.ngram_min, spec.ngram_max)))
+    device_proposer = core.proposer
     for rep in range(2):
-        for on in (True, False):
-            core.async_scheduling, t = on, {}
+        for key, on, proposer in modes:
+            core.async_scheduling, core.proposer, t = on, proposer, {}
             rate = 1 / decode_seconds_per_token(llm, prompts, params, batch, t)
-            key = "async" if on else "sync"
             if rate > out.get(key, {}).get("decode_tokens_per_s", 0):
                 out[key] = {"decode_tokens_per_s": round(rate, 1),
                             "step_ms": round(1e3 * t["step_s"] / t["steps"], 3),
                             "host_ms_per_step": round(1e3 * (t["step_s"] - t["wait_s"]) / t["steps"], 3),
                             "device_wait_ms_per_step": round(1e3 * t["wait_s"] / t["steps"], 3)}
-    core.async_scheduling = True
+    core.async_scheduling, core.proposer = True, device_proposer
     out["async_vs_sync"] = round(out["async"]["decode_tokens_per_s"] / out["sync"]["decode_tokens_per_s"], 3)
+    if "host_sync" in out:
+        out["device_async_vs_host_sync"] = round(out["async"]["decode_tokens_per_s"]
+                                                 / out["host_sync"]["decode_tokens_per_s"], 3)
     return out
 
 

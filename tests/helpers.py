@@ -1,6 +1,6 @@
 """Helpers shared by test modules (test modules never import each other): random GDN kernel inputs, a
-SamplingBatch with defaults, the hypothesis request bodies the HTTP fuzz tests send, and a worker script run in
-a child process (a fixed virtual device count)."""
+SamplingBatch with defaults, the hypothesis request bodies the HTTP fuzz tests send, a worker script run in
+a child process (a fixed virtual device count), and a probe of verify steps overlapping."""
 import json
 import os
 import subprocess
@@ -116,3 +116,25 @@ def run_worker(script: str, workdir, timeout: int = 1200) -> dict:
     line = next((x for x in proc.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, proc.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
+
+
+# ---- async verify steps (test_async_scheduling, test_speculative) ------------------------------------------
+def verify_overlap(core, fn):
+    """(fn(), verify steps launched meanwhile, those dispatched before the verify step before them was read)."""
+    import atlas_jax.engine.runner as runner_mod
+    events, launch, fetch = [], core.runner.launch_verify, runner_mod.Launched.fetch
+
+    def launch_verify(*a, **k):
+        launched = launch(*a, **k)
+        events.append(("verify", id(launched)))
+        return launched
+    core.runner.launch_verify = launch_verify
+    runner_mod.Launched.fetch = lambda self: (events.append(("fetch", id(self))), fetch(self))[1]
+    try:
+        out = fn()
+    finally:
+        del core.runner.launch_verify
+        runner_mod.Launched.fetch = fetch
+    verified = [i for i, (kind, _) in enumerate(events) if kind == "verify"]
+    read = {key: i for i, (kind, key) in enumerate(events) if kind == "fetch"}
+    return out, len(verified), sum(read[events[i][1]] > j for i, j in zip(verified, verified[1:]))

@@ -191,11 +191,11 @@ class EngineCore(EngineIntrospection):
         return self._overlaps() and not any(s.pending and s.bad_word_ids for s in self.scheduler.running)
 
     def _overlaps(self) -> bool:
-        """Async scheduling applies: no drafter, or drafts made on the device (MTP, device ngram: they never
-        leave it) without the prefix cache (its snapshots need exact positions at dispatch)."""
+        """Async scheduling applies: no drafter, or one whose drafts are made on the device (MTP, self, device
+        ngram: they never leave it) without the prefix cache (its snapshots need exact positions at dispatch)."""
         if not self.async_scheduling:
             return False
-        return self.proposer is None or (self.config.device_drafts > 0 and self.scheduler.cache is None)
+        return self.proposer is None or (self.proposer.on_device and self.scheduler.cache is None)
 
     def _run(self, plan: SchedulerOutput, touched: dict, speculate: bool) -> None:
         """One forward, dispatched: a verify step when a decoding row has drafts or is behind a verify row in

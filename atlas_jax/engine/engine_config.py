@@ -81,8 +81,9 @@ class EngineConfig:
 
     @property
     def device_drafts(self) -> int:
-        """Drafts the device leaves per row for its next verify (MTP, or ngram on the device; 0: none)."""
-        return self.speculative.num_drafts if self.mtp_drafts or self.ngram_on_device else 0
+        """Drafts the device leaves per row for its next verify (MTP, self, ngram on the device; 0: none)."""
+        s = self.speculative
+        return s.num_drafts if s is not None and (s.method in ("mtp", "self") or self.ngram_on_device) else 0
 
     @property
     def max_verify_tokens(self) -> int:

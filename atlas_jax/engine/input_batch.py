@@ -146,7 +146,7 @@ class InputBatch:
                              i32(b) if self.lora else None)
         if kind == "draft":
             b = shape[0][0]
-            return segment(b, 1), i32(b)
+            return segment(b, 1), i32(b), i32(b)
         if kind == "logits":
             return (tuple(segment(b, t) for b, t in shape),)
         if kind == "score":

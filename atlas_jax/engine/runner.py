@@ -395,14 +395,14 @@ class ModelRunner:
         """MTP / device ngram: the drafts slot's last step made, waiting on the device for its next verify row."""
         return to_host(self.state.last_drafts)[slot]
 
-    def self_draft(self, rows: list[RowInput], caps: list[int]) -> list[list[int]]:
-        """Self-speculative drafts (steps.self_draft_step) for decode rows; up to caps[i] for row i."""
+    def self_draft(self, rows: list[RowInput], caps: list[int], room: list[int]) -> None:
+        """Dispatch self-speculative drafts (steps.self_draft_step) for decode rows, up to caps[i] for row i
+        (room[i]: a chase row's cap before its previous acceptance, steps.chase); they stay on the device."""
         ((b, _),) = self.exes.choose("draft", ((bucket(len(rows)), 1),))
-        caps_col = np.zeros((b,), np.int32)
-        caps_col[:len(caps)] = caps
-        drafts = to_host(self._run("draft", self.batch.segment(rows, b, 1), caps_col))
+        caps_col, room_col = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        caps_col[:len(caps)], room_col[:len(room)] = caps, room
+        self._run("draft", self.batch.segment(rows, b, 1), caps_col, room_col)
         self.step_counts["draft"] += 1
-        return [[int(t) for t in drafts[i, :c]] for i, c in enumerate(caps)]
 
     def chunked_logits(self, ids: list[int], pages: list[int], slot: int, chunk: int):
         """fp32 logits [len(ids), V] of a prompt fed in chunks on `pages` / `slot` (the recurrent state

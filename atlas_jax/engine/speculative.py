@@ -123,7 +123,9 @@ def wants_drafts(seq: Sequence) -> bool:
 class Proposer:
     """Drafts for a batch of decoding sequences: `propose` returns up to max_drafts[i] tokens for
     seqs[i]. (No proposer keeps state that needs trimming: the MTP head's KV is rewritten by the
-    next step's catch-up, see models/mtp.py.)"""
+    next step's catch-up, see models/mtp.py.) on_device: its drafts are made and kept on the device
+    (the host proposes steps.DRAFT placeholders), so its verify steps may overlap (async scheduling)."""
+    on_device = False
 
     def propose(self, seqs: list[Sequence], max_drafts: list[int]) -> list[list[int]]:
         raise NotImplementedError
@@ -156,6 +158,7 @@ class DeviceProposer(Proposer):
     checkpoint's MTP head (models/mtp.py), or prompt lookup over the device's token history
     (device_ngram.py). They stay there (EngineState.last_drafts): the host proposes placeholders
     (steps.DRAFT), Sequence.device_drafts of them at most; the verify step feeds the valid ones."""
+    on_device = True
 
     def propose(self, seqs, max_drafts):
         return [[DRAFT] * min(k, s.device_drafts) for s, k in zip(seqs, max_drafts)]
@@ -163,7 +166,9 @@ class DeviceProposer(Proposer):
 
 class SelfProposer(Proposer):
     """Self-speculative: the target model without its recurrent layers drafts greedily (one
-    compiled draft step for the whole batch; engine/steps.self_draft_step)."""
+    compiled draft step for the whole batch, dispatched before the verify step; engine/steps.self_draft_step).
+    Its drafts stay on the device (EngineState.last_drafts), like MTP's."""
+    on_device = True
 
     def __init__(self, engine):
         self.engine = engine
@@ -171,7 +176,8 @@ class SelfProposer(Proposer):
     def propose(self, seqs, max_drafts):
         if not any(max_drafts):
             return [[] for _ in seqs]
-        return self.engine.runner.self_draft([row_of(s, 1) for s in seqs], max_drafts)
+        self.engine.runner.self_draft([row_of(s, 1) for s in seqs], max_drafts, [draft_room(s) for s in seqs])
+        return [[DRAFT] * k for k in max_drafts]
 
 
 class ScriptedProposer(Proposer):

@@ -181,19 +181,26 @@ def verify_step(cfg, kernels, mtp_drafts, ngram, params, state: EngineState, seg
         state, model=model, penalties=penalties, draft_kv=draft_kv, sampling=columns, history=history, **written)
 
 
-def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps):
+def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps, room):
     """Self-speculative drafts: the model without its recurrent layers, fed the row's last token and
-    then its own greedy drafts, num_drafts times. It writes attention KV at positions start ..
-    start + cap - 1 (the verify step rewrites them with the full model's); GDN state is untouched.
-    segment [B, 1]; caps [B] drafts wanted per row. Returns drafts [B, num_drafts]."""
+    then its own greedy drafts, num_drafts times, into the slots' last drafts (-1 past a row's cap), where
+    its verify row reads them (DRAFT). It writes attention KV at positions start .. start + cap - 1 (the
+    verify step rewrites them with the full model's); GDN state is untouched. segment [B, 1] (PENDING
+    tokens from the slots' last tokens; a chase row starts its previous verify row's accepted count a
+    later and keeps at most room - a drafts, as in `chase`); caps [B] drafts wanted per row."""
+    (segment,) = fill_pending((segment,), state.last_tokens)
+    a = jnp.where(segment.state_idx < 0, jnp.take(state.last_accept, segment.slot, mode="clip"), 0)
+    caps = jnp.clip(jnp.minimum(caps, room - a), 0)
     model, tok, drafts = state.model, segment.tokens[:, 0], []
     for j in range(num_drafts):
-        seg = dataclasses.replace(segment, tokens=tok[:, None], start=segment.start + j,
+        seg = dataclasses.replace(segment, tokens=tok[:, None], start=segment.start + a + j,
                                   q_len=jnp.where((segment.q_len > 0) & (j < caps), 1, 0))
         logits, _, model = forward(_params(params, state), model, (seg,), cfg, kernels=kernels, skip_recurrent=True)
         tok = argmax(logits)
         drafts.append(tok)
-    return jnp.stack(drafts, axis=1), dataclasses.replace(state, model=model)
+    drafts = jnp.where(jnp.arange(num_drafts)[None, :] < caps[:, None], jnp.stack(drafts, axis=1), -1)
+    last_drafts = state.last_drafts.at[segment.slot].set(drafts, mode="drop")
+    return drafts, dataclasses.replace(state, model=model, last_drafts=last_drafts)
 
 
 def logits_step(cfg, kernels, params, state: EngineState, segments):

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from conftest import random_prompts
+from helpers import verify_overlap
 
 from atlas_jax import SamplingParams
 from atlas_jax.engine.speculative import DeviceProposer, NgramProposer
@@ -160,25 +161,6 @@ def _mtp_params():
             SamplingParams(max_tokens=30, temperature=0.6, seed=9, presence_penalty=0.4)]   # no drafts: penalty
 
 
-def _verify_overlap(core, fn):
-    """(fn(), verify steps, those dispatched before the verify step before them was read)."""
-    events, launch, fetch = [], core.runner.launch_verify, runner_mod.Launched.fetch
-    def launch_verify(*a, **k):
-        launched = launch(*a, **k)
-        events.append(("verify", id(launched)))
-        return launched
-    core.runner.launch_verify = launch_verify
-    runner_mod.Launched.fetch = lambda self: (events.append(("fetch", id(self))), fetch(self))[1]
-    try:
-        out = fn()
-    finally:
-        del core.runner.launch_verify
-        runner_mod.Launched.fetch = fetch
-    verified = [i for i, (kind, _) in enumerate(events) if kind == "verify"]
-    read = {key: i for i, (kind, key) in enumerate(events) if kind == "fetch"}
-    return out, len(verified), sum(read[events[i][1]] > j for i, j in zip(verified, verified[1:]))
-
-
 def test_mtp_async_equals_sync_and_overlaps_verify(mtp_llm):
     """MTP with async scheduling: the verify row after one in flight is dispatched before its acceptance is
     read (a chase row); outputs equal synchronous stepping's, drafts are accepted, nothing leaks."""
@@ -188,7 +170,7 @@ def test_mtp_async_equals_sync_and_overlaps_verify(mtp_llm):
     stats_sync = mtp_llm.spec_stats()
     assert stats_sync["accepted"] > 20
     before = core.num_overlapped
-    asyn, verified, ahead = _verify_overlap(core, lambda: _generate(mtp_llm, True, prompts, _mtp_params()))
+    asyn, verified, ahead = verify_overlap(core, lambda: _generate(mtp_llm, True, prompts, _mtp_params()))
     assert_same(asyn, sync)
     assert core.num_overlapped > before
     assert ahead > verified // 2                  # verify t+1 dispatched before verify t was read
@@ -266,7 +248,7 @@ def test_ngram_on_device_overlaps_and_drafts_as_the_host_does(ngram_llm):
     core = ngram_llm.engine
     assert core._overlaps()
     before = core.num_overlapped
-    ((device, dstats), (host, hstats)), verified, ahead = _verify_overlap(
+    ((device, dstats), (host, hstats)), verified, ahead = verify_overlap(
         core, lambda: _against_host_ngram(ngram_llm, True))
     assert_same(device, host)
     assert dstats == hstats and dstats["accepted"] > 10
