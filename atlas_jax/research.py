@@ -95,7 +95,7 @@ class StateLab:
             raise ValueError(f"{seq.num_cached + len(tokens)} tokens exceed max_model_len {self.max_len}")
         row = RowInput(tokens=list(tokens), start=seq.num_cached, block_table=seq.pages, slot=seq.slot,
                        state_idx=seq.state_idx)
-        (logits,) = self.runner.prompt_logits([row])
+        (logits,) = self.runner.scoring.logits([row])
         seq.tokens = seq.tokens[:seq.num_cached] + list(tokens)
         seq.num_cached += len(tokens)
         seq.state_idx = min(len(tokens), self.positions) - 1

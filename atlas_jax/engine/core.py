@@ -99,7 +99,7 @@ class EngineCore(EngineIntrospection):
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in flight")
         if req.params.prompt_logprobs is not None:
-            req.prompt_logprobs = self.runner.score_prompt(req.prompt_ids, *self._score,
+            req.prompt_logprobs = self.runner.scoring.score_prompt(req.prompt_ids, *self._score,
                                                            self.sched_config.max_prefill_chunk, req.params.prompt_logprobs)
         if req.lora is not None:
             self.lora.use(*req.lora)                    # the adapter cannot be unloaded until it ends

@@ -145,7 +145,7 @@ def check_layout(a: EngineArgs, cfg: ModelConfig, dist: Distributed) -> None:
     (each of those needs per-rank device operations). Run before loading (LLM) and again in `create`."""
     tp, dp = a.tensor_parallel_size, a.data_parallel_size
     dist.check_spans(tp * dp)
-    refused = {"speculative": a.speculative is not None, "enable_lora": a.enable_lora,
+    refused = {"enable_lora": a.enable_lora,
                "enable_prompt_logprobs": a.enable_prompt_logprobs, "nnodes > 1": dist.multihost}
     for name, on in refused.items():
         if dp > 1 and on:

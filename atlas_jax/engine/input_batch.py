@@ -193,6 +193,11 @@ class RankedBatch:
         parts = [b.pack(g, shape, rows, verify) for b, g, rows in zip(self.batches, groups, sampling_rows)]
         return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
 
+    def segments(self, groups, b: int, t: int):
+        """One [b, t] segment per rank of its rows (groups[d] = (rows,)), end to end (the self-draft step's)."""
+        parts = [batch.segment(rows, b, t) for batch, (rows,) in zip(self.batches, groups)]
+        return jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+
     def abstract(self, kind: str, shape) -> tuple:
         ranks = len(self.batches)
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct((a.shape[0] * ranks,) + a.shape[1:], a.dtype),

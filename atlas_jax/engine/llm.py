@@ -205,7 +205,7 @@ class LLM:
         try:
             if pages is None or slot is None:
                 raise RuntimeError("no free pages / slot for scoring")
-            return self.runner.chunked_logits(ids, pages, slot[0], chunk)
+            return self.runner.scoring.chunked_logits(ids, pages, slot[0], chunk)
         finally:
             if pages:
                 blocks.free(pages)

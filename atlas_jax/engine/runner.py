@@ -41,6 +41,7 @@ from .buckets import Grid, bucket
 from .device_ngram import NgramSpec
 from .executables import Executables
 from .input_batch import InputBatch, RankedBatch
+from .prompt_scoring import PromptScoring
 from .row import RowInput
 from .sampler import init_penalty_state, init_slot_sampling
 from .sampling_params import BIAS_COLUMNS, MAX_LOGPROBS
@@ -105,6 +106,22 @@ def host_outputs(sampled, live: list[int], logprobs: bool) -> dict[str, np.ndarr
     return result
 
 
+def initial_state(config, mtp_layers: int, ranks: int = 1) -> EngineState:
+    """An empty engine's device state without the LoRA pool; `ranks` pools end to end in every leaf (data parallel)."""
+    cfg, c, dtype, drafts = config.model, config.cache, config.dtype, config.device_drafts
+    num_pages = c.num_pages + c.scratch_pages
+    i32 = lambda *shape: jnp.zeros(shape, jnp.int32)
+    state = EngineState(
+        init_state(cfg, num_pages, c.page_size, c.num_slots, dtype, config.max_verify_tokens),
+        init_penalty_state(c.num_slots, cfg.vocab_size),
+        init_mtp_kv(cfg, mtp_layers, num_pages, c.page_size, dtype) if config.mtp_drafts else (),
+        init_snapshots(cfg, c.num_snapshots, dtype), {}, i32(c.num_slots),
+        i32(c.num_slots, drafts) if drafts else None, i32(c.num_slots) if drafts else None,
+        init_slot_sampling(c.num_slots, BIAS_COLUMNS),
+        i32(c.num_slots, c.max_pages_per_seq * c.page_size) if config.ngram_on_device else None)
+    return state if ranks == 1 else jax.tree.map(lambda x: jnp.concatenate([x] * ranks), state)
+
+
 @dataclasses.dataclass
 class Launched:
     """A dispatched step whose outputs are still on the device."""
@@ -113,7 +130,7 @@ class Launched:
     live: list[int]            # sampling rows that are real rows, in `decode + prefill` order
     logprobs: bool             # some row asked for logprobs
     runs: tuple = ()           # verify steps: (emitted [B, K], count [B], drafted [B]) on the device
-    verify_rows: int = 0       # verify steps: the real verify rows (the first of `live`)
+    verify_live: list[int] = dataclasses.field(default_factory=list)   # verify steps: the real verify rows of `runs`
 
     def fetch(self) -> dict[str, np.ndarray]:
         """Wait for the step; its outputs as host arrays (ModelRunner.step; verify steps add emitted [rows, K],
@@ -122,7 +139,7 @@ class Launched:
         self.runner.wait((self.sampled, self.runs))
         out = host_outputs(self.sampled, self.live, self.logprobs)
         for name, x in zip(("emitted", "count", "drafted"), self.runs):
-            out[name] = to_host(x)[:self.verify_rows]
+            out[name] = to_host(x)[self.verify_live]
         return out
 
 
@@ -133,8 +150,7 @@ class ModelRunner:
         the MTP head drafts among these tokens only (params["mtp_vocab"], models/mtp.py)."""
         cfg, c, kernels, dtype = config.model, config.cache, config.kernels, config.dtype
         self.cfg, self.dtype, self.num_snapshots = cfg, dtype, c.num_snapshots
-        mtp_drafts, verify_tokens, device_drafts = config.mtp_drafts, config.max_verify_tokens, config.device_drafts
-        spec = config.speculative
+        mtp_drafts, verify_tokens, spec = config.mtp_drafts, config.max_verify_tokens, config.speculative
         ngram = NgramSpec(spec.ngram_min, spec.ngram_max, spec.num_drafts) if config.ngram_on_device else None
         self.dp = config.data_parallel_size          # > 1: the pools and batches below are per rank, D of each
         self.mesh = engine_mesh(config.tensor_parallel_size, self.dp)
@@ -145,34 +161,12 @@ class ModelRunner:
         self.grid = Grid.create(s.max_num_seqs, s.max_prefill_rows, s.max_prefill_chunk, verify_tokens)
         self.state_positions = verify_tokens                         # recurrent-state positions per slot
         self.mtp_drafts = mtp_drafts                                 # MTP drafts made by every step (0 = off)
-        self.self_drafts = config.speculative is not None and config.speculative.method == "self"
-        mtp_layers = len(params.get("mtp", {}).get("layers", ()))
-
-        def init(ranks: int = 1) -> EngineState:       # every leaf but the LoRA pool: `ranks` pools end to end
-            tiled = lambda x: x if ranks == 1 or x is None else jnp.concatenate([x] * ranks)
-            return jax.tree.map(tiled, EngineState(
-                init_state(cfg, self.num_pages, c.page_size, c.num_slots, dtype, verify_tokens),
-                init_penalty_state(c.num_slots, cfg.vocab_size),
-                init_mtp_kv(cfg, mtp_layers, self.num_pages, c.page_size, dtype) if mtp_drafts else (),
-                init_snapshots(cfg, c.num_snapshots, dtype), {}, jnp.zeros((c.num_slots,), jnp.int32),
-                jnp.zeros((c.num_slots, device_drafts), jnp.int32) if device_drafts else None,
-                jnp.zeros((c.num_slots,), jnp.int32) if device_drafts else None,
-                init_slot_sampling(c.num_slots, BIAS_COLUMNS),
-                jnp.zeros((c.num_slots, c.max_pages_per_seq * c.page_size), jnp.int32) if ngram else None))
-        self.state_sharding = None
-        if self.dp > 1:                              # made in place, split over the ranks (parallel/data_parallel.py)
-            ranked = functools.partial(init, self.dp)
-            self.state_sharding = state_shardings(jax.eval_shape(ranked), self.mesh,
-                                                  conv_split(cfg, kernels.section_tiles))
-            self.state = jax.jit(ranked, out_shardings=self.state_sharding)()
-        else:
-            self.state = dataclasses.replace(init(), lora=self._init_lora_pool(config.lora, dtype))
-            if self.mesh is not None:                # split by heads where the rules say (parallel/sharding.py)
-                self.state_sharding = state_shardings(self.state, self.mesh, conv_split(cfg, kernels.section_tiles))
-                self.state = jax.device_put(self.state, self.state_sharding)
+        self.self_drafts = spec is not None and spec.method == "self"
+        self.state_sharding, self.state = self._placed_state(config, len(params.get("mtp", {}).get("layers", ())))
         batch = lambda: InputBatch(c.max_pages_per_seq, c.page_size, c.num_slots, lora=self.lora, mtp=bool(mtp_drafts))
         self.batch = batch() if self.dp == 1 else RankedBatch([batch() for _ in range(self.dp)])
         self.state_ops = StateOps(self, swap_chunk=min(SWAP_CHUNK_PAGES, bucket(c.max_pages_per_seq)))
+        self.scoring = PromptScoring(self)
         self.section_tiles = kernels.section_tiles      # adapters' B of tiled projections are tiled alike
         self.tiled_sections = {".".join(map(str, s.path)): s.sections for s in config.param_specs()
                                if s.sections and s.role == "proj"} if kernels.section_tiles > 1 else {}
@@ -200,10 +194,24 @@ class ModelRunner:
                "adapter": steps.load_adapter}
         if per_rank_params is not None:
             fns = {kind: per_rank(fns[kind], mesh, per_rank_params, state_sharding, batch=kind not in RANK_OPS)
-                   for kind in ("step",) + RANK_OPS}
+                   for kind in ("step", "verify", "draft") + RANK_OPS}
         if state_sharding is not None:              # the state keeps its placement from step to step
             fns = {kind: _keeping_state(fn, state_sharding, replicated(mesh)) for kind, fn in fns.items()}
         return {kind: jax.jit(fn, donate_argnums=(1,)) for kind, fn in fns.items()}
+
+    def _placed_state(self, config, mtp_layers: int):
+        """(its sharding or None, the initial state): under data parallel made in place, split over the ranks
+        (parallel/data_parallel.py); under tp split by heads where the rules say (parallel/sharding.py)."""
+        split = conv_split(config.model, config.kernels.section_tiles)
+        if self.dp > 1:
+            ranked = functools.partial(initial_state, config, mtp_layers, self.dp)
+            sharding = state_shardings(jax.eval_shape(ranked), self.mesh, split)
+            return sharding, jax.jit(ranked, out_shardings=sharding)()
+        state = dataclasses.replace(initial_state(config, mtp_layers), lora=self._init_lora_pool(config.lora, config.dtype))
+        if self.mesh is None:
+            return None, state
+        sharding = state_shardings(state, self.mesh, split)
+        return sharding, jax.device_put(state, sharding)
 
     def _init_lora_pool(self, lora, dtype) -> dict:
         if lora is None:
@@ -216,9 +224,6 @@ class ModelRunner:
     @property
     def lora(self) -> bool:
         return bool(self.state.lora)
-
-    def _prefill_shape(self, rows) -> tuple[int, int]:
-        return self.grid.prefill_shape(len(rows), max(len(r.tokens) for r in rows))
 
     @property
     def num_compiles(self) -> int:
@@ -283,61 +288,48 @@ class ModelRunner:
 
     def launch(self, decode: list[RowInput], prefill: list[RowInput] = ()) -> "Launched":
         """`step` without waiting: the step is dispatched (the device runs it after what is queued) and
-        its outputs stay on the device until `Launched.fetch()`."""
-        g = self.grid
-        rows = list(decode) + list(prefill)
+        its outputs stay on the device until `Launched.fetch()`. Under data parallel each rank's rows
+        (RowInput.rank) are padded to one shape bucket, the ranks' batches end to end (parallel/data_parallel.py)."""
+        g, rows = self.grid, list(decode) + list(prefill)
         if not rows:
             raise ValueError("a step needs at least one row")
-        if self.dp > 1:
-            return self._launch_ranked(decode, prefill)
-        if len(decode) > g.decode_buckets[-1]:
-            raise ValueError(f"{len(decode)} decode rows; the largest bucket is {g.decode_buckets[-1]}")
         if any(len(r.tokens) != 1 for r in decode):
             raise ValueError("decode rows carry exactly one token")
-        if prefill and decode:
-            want = ((next(b for b in g.mixed_decode_buckets if b >= len(decode)), 1), self._prefill_shape(prefill))
-        else:
-            want = (self._prefill_shape(prefill),) if prefill else ((bucket(len(decode)), 1),)
-        shape = self.exes.choose("step", want)
-        pad = shape[0][0] - len(decode) if decode and prefill else 0     # a mixed step's padding decode rows
-        sampling_rows = list(decode) + [None] * pad + list(prefill)
-        live = [i for i, r in enumerate(sampling_rows) if r is not None]
-        out, _ = self._run("step", *self.batch.pack(tuple(x for x in (decode, prefill) if x), shape, sampling_rows))
-        self.batch.commit()
-        self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
-        return Launched(self, out, live, any(r.params.logprobs is not None for r in rows))
-
-    def _launch_ranked(self, decode: list[RowInput], prefill: list[RowInput]) -> "Launched":
-        """`launch` under data parallel: each rank's rows (RowInput.rank) padded to one shape bucket, the ranks'
-        batches end to end (parallel/data_parallel.py)."""
-        g, ranks = self.grid, range(self.dp)
-        dec = [[r for r in decode if r.rank == k] for k in ranks]
-        pre = [[r for r in prefill if r.rank == k] for k in ranks]
-        nd = max(map(len, dec))
+        nd = self._most_per_rank(decode)
         if nd > g.decode_buckets[-1]:
-            raise ValueError(f"{nd} decode rows on one rank; the largest bucket is {g.decode_buckets[-1]}")
-        if any(len(r.tokens) != 1 for r in decode):
-            raise ValueError("decode rows carry exactly one token")
+            raise ValueError(f"{nd} decode rows{' on one rank' if self.dp > 1 else ''}; the largest bucket is "
+                             f"{g.decode_buckets[-1]}")
         if prefill:
-            prefill_shape = g.prefill_shape(max(map(len, pre)), max(len(r.tokens) for r in prefill))
+            prefill_shape = g.prefill_shape(self._most_per_rank(prefill), max(len(r.tokens) for r in prefill))
         if prefill and decode:
             want = ((next(b for b in g.mixed_decode_buckets if b >= nd), 1), prefill_shape)
         else:
             want = (prefill_shape,) if prefill else ((bucket(nd), 1),)
         shape = self.exes.choose("step", want)
-        width = sum(b for b, _ in shape)              # one rank's sampling rows
-        groups, sampling_rows, index = [], [], {}
-        for k in ranks:
-            pad = shape[0][0] - len(dec[k]) if decode and prefill else 0
-            rows_k = dec[k] + [None] * pad + pre[k]
-            index.update((id(r), k * width + i) for i, r in enumerate(rows_k) if r is not None)
-            groups.append(tuple(x for x, on in ((dec[k], decode), (pre[k], prefill)) if on))
-            sampling_rows.append(rows_k)
+        groups, sampling_rows, index = self._by_rank(shape, decode, prefill, pad_first=bool(decode and prefill))
         out, _ = self._run("step", *self.batch.pack(groups, shape, sampling_rows))
         self.batch.commit()
         self.step_counts["mixed" if prefill and decode else "prefill" if prefill else "decode"] += 1
-        rows = list(decode) + list(prefill)
         return Launched(self, out, [index[id(r)] for r in rows], any(r.params.logprobs is not None for r in rows))
+
+    def _most_per_rank(self, rows) -> int:
+        return max(sum(r.rank == k for r in rows) for k in range(self.dp))
+
+    def _by_rank(self, shape, first, second, pad_first: bool):
+        """A step's rows grouped by data-parallel rank (RowInput.rank), each rank's block padded to `shape`:
+        (groups, sampling_rows, index): per rank its segments' row lists (`first`, then `second` if any) and
+        sampling rows (None: padding; the first segment padded to its bucket when pad_first), and id(row) ->
+        its sampling row over the ranks' blocks end to end. One rank's groups and rows (not lists) when dp == 1
+        (InputBatch keeps device-resident columns of its own)."""
+        width = sum(b for b, _ in shape)              # one rank's sampling rows
+        groups, sampling_rows, index = [], [], {}
+        for k in range(self.dp):
+            a, p = [r for r in first if r.rank == k], [r for r in second if r.rank == k]
+            rows_k = a + [None] * (shape[0][0] - len(a) if pad_first else 0) + p
+            index.update((id(r), k * width + i) for i, r in enumerate(rows_k) if r is not None)
+            groups.append(tuple(x for x, on in ((a, first), (p, second)) if on))
+            sampling_rows.append(rows_k)
+        return (groups[0], sampling_rows[0], index) if self.dp == 1 else (groups, sampling_rows, index)
 
     def wait(self, outputs):
         """Block until a step's device outputs are ready; the time blocked adds to `wait_seconds`."""
@@ -362,34 +354,36 @@ class ModelRunner:
         are `step`'s over the decode rows then the prefill rows (the plain sample: a decode row without
         drafts gets exactly what `step` would give it, penalties and logprobs included), plus emitted
         [rows, K] and count [rows] per decode row."""
-        g = self.grid
-        if len(rows) > g.decode_buckets[-1]:
-            raise ValueError(f"{len(rows)} verify rows; the largest bucket is {g.decode_buckets[-1]}")
+        g, nv = self.grid, self._most_per_rank(rows)
+        if nv > g.decode_buckets[-1]:
+            raise ValueError(f"{nv} verify rows{' on one rank' if self.dp > 1 else ''}; the largest bucket is "
+                             f"{g.decode_buckets[-1]}")
         k = max(2, 1 + max(len(d) for d in drafts))
         if k not in g.verify_sizes:
             raise ValueError(f"{k - 1} drafts in a row; this engine verifies up to {len(g.verify_sizes)}")
         if prefill:
-            want = ((g.decode_buckets[-1], g.verify_sizes[-1]), self._prefill_shape(prefill))
+            want = ((g.decode_buckets[-1], g.verify_sizes[-1]),
+                    g.prefill_shape(self._most_per_rank(prefill), max(len(r.tokens) for r in prefill)))
         else:
-            want = ((bucket(len(rows)), k),)
+            want = ((bucket(nv), k),)
         shape = self.exes.choose("verify", want)
-        (b, k) = shape[0]
+        (b, k), width = shape[0], sum(bb for bb, _ in shape)
         rows = [dataclasses.replace(r, tokens=list(r.tokens) + list(d)) for r, d in zip(rows, drafts)]
-        draft_cols = np.full((b, k), -1, np.int32)
-        room_col = np.zeros((b,), np.int32)
-        for i, d in enumerate(drafts):
+        groups, sampling_rows, index = self._by_rank(shape, rows, prefill, pad_first=True)
+        verify_live = [index[id(r)] // width * b + index[id(r)] % width for r in rows]   # rows of [D * b, K]
+        draft_cols = np.full((self.dp * b, k), -1, np.int32)
+        room_col = np.zeros((self.dp * b,), np.int32)
+        for i, d in zip(verify_live, drafts):
             draft_cols[i, :len(d)] = d
-            room_col[i] = len(d) if room is None else room[i]
-        sampling_rows = list(rows) + [None] * (b - len(rows)) + list(prefill)
-        segments, sampling, prompt_lens, mtp_in = self.batch.pack((rows, prefill) if prefill else (rows,), shape,
-                                                                  sampling_rows, verify=True)
+        room_col[verify_live] = [len(d) for d in drafts] if room is None else room
+        segments, sampling, prompt_lens, mtp_in = self.batch.pack(groups, shape, sampling_rows, verify=True)
         first, emitted, count, drafted, _ = self._run("verify", segments, sampling, prompt_lens, draft_cols, room_col,
                                                       mtp_in)
         self.batch.commit()
         self.step_counts["verify_mixed" if prefill else "verify"] += 1
-        live = [i for i, r in enumerate(sampling_rows) if r is not None]
+        live = [index[id(r)] for r in rows + list(prefill)]
         return Launched(self, first, live, any(r.params.logprobs is not None for r in list(rows) + list(prefill)),
-                        (emitted, count, drafted), len(rows))
+                        (emitted, count, drafted), verify_live)
 
     def device_drafts(self, slot: int) -> np.ndarray:
         """MTP / device ngram: the drafts slot's last step made, waiting on the device for its next verify row."""
@@ -398,46 +392,14 @@ class ModelRunner:
     def self_draft(self, rows: list[RowInput], caps: list[int], room: list[int]) -> None:
         """Dispatch self-speculative drafts (steps.self_draft_step) for decode rows, up to caps[i] for row i
         (room[i]: a chase row's cap before its previous acceptance, steps.chase); they stay on the device."""
-        ((b, _),) = self.exes.choose("draft", ((bucket(len(rows)), 1),))
-        caps_col, room_col = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        caps_col[:len(caps)], room_col[:len(room)] = caps, room
-        self._run("draft", self.batch.segment(rows, b, 1), caps_col, room_col)
+        ((b, _),) = shape = self.exes.choose("draft", ((bucket(self._most_per_rank(rows)), 1),))
+        groups, _, index = self._by_rank(shape, rows, (), pad_first=False)
+        caps_col, room_col = np.zeros((self.dp * b,), np.int32), np.zeros((self.dp * b,), np.int32)
+        at = [index[id(r)] for r in rows]
+        caps_col[at], room_col[at] = caps, room
+        segment = self.batch.segment(groups[0], b, 1) if self.dp == 1 else self.batch.segments(groups, b, 1)
+        self._run("draft", segment, caps_col, room_col)
         self.step_counts["draft"] += 1
-
-    def chunked_logits(self, ids: list[int], pages: list[int], slot: int, chunk: int):
-        """fp32 logits [len(ids), V] of a prompt fed in chunks on `pages` / `slot` (the recurrent state
-        carried between chunks), padded to power-of-two buckets compiled on demand (LLM.prompt_logits)."""
-        out, state_idx = [], 0
-        for s in range(0, len(ids), chunk):
-            row = RowInput(tokens=ids[s:s + chunk], start=s, block_table=pages, slot=slot, state_idx=state_idx)
-            out += self.prompt_logits([row])
-            state_idx = min(len(row.tokens), self.state_positions) - 1
-        return np.concatenate(out, axis=0)
-
-    def score_prompt(self, ids: list[int], pages: list[int], slot: int, chunk: int, top: int) -> list:
-        """vLLM's prompt_logprobs: None for the first token, then per token {its id and the top `top` ids:
-        logprob given the tokens before it}; fed in chunks on the scratch `pages` / `slot`, padded to the
-        prefill token buckets (warm-up compiles them with score=True); top-k runs on the device."""
-        entries, state_idx = [None], 0
-        for s in range(0, len(ids) - 1, chunk):
-            fed = ids[s:min(s + chunk, len(ids) - 1)]
-            row = RowInput(tokens=fed, start=s, block_table=pages, slot=slot, state_idx=state_idx)
-            ((_, t),) = self.exes.choose("score", ((1, self.grid.prefill_shape(1, len(fed))[1]),))
-            targets = np.zeros((1, t), np.int32)
-            targets[0, :len(fed)] = ids[s + 1:s + 1 + len(fed)]
-            tok, top_ids, top_lp = host_args(self._run("score", (self.batch.segment([row], 1, t),), targets))
-            for j, target in enumerate(ids[s + 1:s + 1 + len(fed)]):
-                entries.append({target: float(tok[0, j]), **{int(i): float(v) for i, v in
-                                                             zip(top_ids[0, j, :top], top_lp[0, j, :top])}})
-            state_idx = min(len(fed), self.state_positions) - 1
-        return entries
-
-    def prompt_logits(self, rows: list[RowInput]) -> list[np.ndarray]:
-        """fp32 logits of every new token: one [len(tokens), V] per row (compiled on demand)."""
-        t = bucket(max(len(r.tokens) for r in rows))
-        (logits,) = self._run("logits", (self.batch.segment(rows, bucket(len(rows)), t),))
-        logits = to_host(logits)
-        return [logits[i, :len(r.tokens)] for i, r in enumerate(rows)]
 
     # ---- warm-up ----------------------------------------------------------------------------
     def warmup_jobs(self, swap: bool = False, score: bool = False, prefix: bool = False) -> list:

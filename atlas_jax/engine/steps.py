@@ -4,7 +4,10 @@ Each takes (params, state, ...) and returns (outputs, new state); the state is d
 pools are updated in place. With an MTP drafter (`mtp_drafts` > 0) every step also catches the
 MTP head up on the positions the step made permanent and drafts the next tokens (models/mtp.py);
 `mtp_in` = (next_tokens per segment [B, T]: the token after each fed position where the host
-knows it, -1 where it is the token this step emits; draft_ok [sum B]).
+knows it, -1 where it is the token this step emits; draft_ok [sum B]). With ngram on the device
+(`ngram`, a device_ngram.NgramSpec) every step records its tokens in the slots' history and looks
+the next drafts up there. Either way the drafts stay on the device (`last_drafts`), as do the self
+drafter's (`self_draft_step`).
 """
 from __future__ import annotations
 
@@ -34,10 +37,11 @@ class EngineState:
                                # slot 0 zeros (layers/lora.py, engine/lora.py); empty without LoRA
     last_tokens: jax.Array | None = None   # [S] i32 each slot's last sampled token: what a PENDING (< 0) token
                                # fed by the next step is (async scheduling: the host reads it a step late)
-    last_drafts: jax.Array | None = None   # MTP: [S, D] i32 the drafts each slot's last step made: what the
-                               # DRAFT (-2) tokens of its next verify row are (drafts never reach the host)
-    last_accept: jax.Array | None = None   # MTP: [S] i32 drafts each slot's last verify row accepted: what a
-                               # chase row (state_idx < 0: the host has not read it yet) moves by
+    last_drafts: jax.Array | None = None   # device drafters (MTP, self, ngram): [S, D] i32 the drafts made for
+                               # each slot's next verify row, -1 past its valid ones: what its DRAFT (-2) tokens
+                               # are (drafts never reach the host)
+    last_accept: jax.Array | None = None   # device drafters: [S] i32 drafts each slot's last verify row accepted:
+                               # what a chase row (state_idx < 0: the host has not read it yet) moves by
     sampling: SlotSampling | None = None   # the persistent batch: each slot's sampling parameters [S + 1]
                                # (sampler.SlotSampling), rewritten only where a step's SamplingInput says
     history: jax.Array | None = None   # ngram on the device: [S, L] i32 each slot's tokens by position, valid
@@ -148,37 +152,51 @@ def verify_step(cfg, kernels, mtp_drafts, ngram, params, state: EngineState, seg
     if len(segments) > 1:
         firsts.append(lm_head(params, last_positions(hidden[b * k:], segments[1:]), cfg))
     first = sample(jnp.concatenate(firsts), sampling, penalties)
-    target, accept = verify(logits, drafts, verify_sampling)
-    accepted = jnp.sum(jnp.cumprod(accept & (drafts >= 0), axis=1), axis=1)             # leading accepts
-    col = jnp.arange(k)[None, :]
-    last = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0],
-                     first.tokens[:b])
-    run = jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1), last[:, None])   # next token per position
-    emitted = jnp.where(col <= accepted[:, None], run, -1)
-    new_drafts, draft_kv = None, state.draft_kv
-    if mtp_drafts:
-        next_tokens, draft_ok = mtp_in
-        tokens = [run]
-        catch = [jnp.where(seg.q_len > 0, accepted + 1, 0)]
-        if len(segments) > 1:
-            tokens.append(jnp.where(next_tokens[1] >= 0, next_tokens[1], first.tokens[b:, None]))
-            catch.append(segments[1].q_len)
-        new_drafts, draft_kv = mtp.propose(params, draft_kv, segments, tokens, hidden, catch, draft_ok, cfg,
-                                           mtp_drafts, kernels)
-    history = state.history
-    if ngram is not None:                        # verify rows emit from start + 1, prefill rows after their chunk
-        rest = segments[1:]
-        runs = jnp.concatenate([emitted, jnp.pad(first.tokens[b:, None], ((0, 0), (0, k - 1)), constant_values=-1)])
-        at = jnp.concatenate([seg.start + 1] + [s.start + s.q_len for s in rest])
-        count = jnp.concatenate([jnp.where(seg.q_len > 0, accepted + 1, 0)] + [(s.q_len > 0).astype(jnp.int32)
-                                                                                 for s in rest])
-        history, new_drafts = device_ngram.advance(history, segments, runs, at, count, ngram)
+    accepted, last, run, emitted = _runs(seg, drafts, *verify(logits, drafts, verify_sampling), first.tokens[:b])
+    new_drafts, draft_kv, history = _drafts_after_verify(cfg, kernels, mtp_drafts, ngram, params, state, segments,
+                                                         hidden, run, emitted, accepted, first.tokens[b:], mtp_in)
     pad = jnp.zeros((first.tokens.shape[0] - b,), jnp.int32)
     written = record_sampled(state, sampling, jnp.concatenate([last, first.tokens[b:]]), new_drafts,
                              jnp.concatenate([accepted.astype(jnp.int32), pad]))
     drafted = jnp.sum(drafts >= 0, axis=1).astype(jnp.int32)
     return (first, emitted, accepted + 1, drafted, new_drafts), dataclasses.replace(
         state, model=model, penalties=penalties, draft_kv=draft_kv, sampling=columns, history=history, **written)
+
+
+def _runs(seg, drafts, target, accept, first):
+    """A verify segment's outcome: (accepted [B]: leading accepted drafts, last [B]: the target's own token,
+    run [B, K]: the next token after each fed position, emitted [B, K]: the row's tokens, -1 after them)."""
+    k = seg.tokens.shape[1]
+    accepted = jnp.sum(jnp.cumprod(accept & (drafts >= 0), axis=1), axis=1)
+    col = jnp.arange(k)[None, :]
+    last = jnp.where(drafts[:, 0] >= 0, jnp.take_along_axis(target, accepted[:, None], axis=1)[:, 0], first)
+    run = jnp.where(col < accepted[:, None], jnp.roll(seg.tokens, -1, axis=1), last[:, None])
+    return accepted, last, run, jnp.where(col <= accepted[:, None], run, -1)
+
+
+def _drafts_after_verify(cfg, kernels, mtp_drafts, ngram, params, state: EngineState, segments, hidden, run, emitted,
+                         accepted, sampled, mtp_in):
+    """(the next step's drafts or None, the MTP head's KV, the ngram history) after a verify step: from each
+    verify row's accepted position (`_runs`) and each prefill row's sample `sampled` [Bp]."""
+    seg, rest = segments[0], segments[1:]
+    catch = jnp.where(seg.q_len > 0, accepted + 1, 0)
+    if mtp_drafts:
+        next_tokens, draft_ok = mtp_in
+        tokens, counts = [run], [catch]
+        if rest:
+            tokens.append(jnp.where(next_tokens[1] >= 0, next_tokens[1], sampled[:, None]))
+            counts.append(rest[0].q_len)
+        drafts, draft_kv = mtp.propose(params, state.draft_kv, segments, tokens, hidden, counts, draft_ok, cfg,
+                                       mtp_drafts, kernels)
+        return drafts, draft_kv, state.history
+    if ngram is not None:                        # verify rows emit from start + 1, prefill rows after their chunk
+        k = emitted.shape[1]
+        runs = jnp.concatenate([emitted, jnp.pad(sampled[:, None], ((0, 0), (0, k - 1)), constant_values=-1)])
+        at = jnp.concatenate([seg.start + 1] + [s.start + s.q_len for s in rest])
+        count = jnp.concatenate([catch] + [(s.q_len > 0).astype(jnp.int32) for s in rest])
+        history, drafts = device_ngram.advance(state.history, segments, runs, at, count, ngram)
+        return drafts, state.draft_kv, history
+    return None, state.draft_kv, state.history
 
 
 def self_draft_step(cfg, kernels, num_drafts, params, state: EngineState, segment, caps, room):

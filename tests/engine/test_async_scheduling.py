@@ -14,7 +14,7 @@ from conftest import random_prompts
 from helpers import verify_overlap
 
 from atlas_jax import SamplingParams
-from atlas_jax.engine.speculative import DeviceProposer, NgramProposer
+from atlas_jax.engine.speculative import DeviceProposer, NgramProposer, SelfProposer
 import atlas_jax.engine.runner as runner_mod
 
 PROMPTS = random_prompts(512, [5, 13, 9, 21, 7, 30], seed=8)
@@ -225,6 +225,25 @@ def ngram_llm():
               max_model_len=192, max_prefill_chunk=64, warmup=False, progress=False, compile_cache_dir="")
     assert llm.engine.config.ngram_on_device and isinstance(llm.engine.proposer, DeviceProposer)
     return llm
+
+
+def test_self_drafts_stay_on_the_device_and_overlap(ngram_llm):
+    """The self drafter on the same engine: its draft step of t+1 is dispatched before verify t is read (a chase
+    row's draft starts where that verify's acceptance left it: else it would overwrite accepted KV); outputs and
+    drafts equal synchronous stepping's."""
+    core, runs = ngram_llm.engine, {}
+    saved, core.proposer = core.proposer, SelfProposer(core)
+    try:
+        for on in (False, True):
+            before = dict(core.spec_stats.__dict__)
+            runs[on] = verify_overlap(core, lambda: _generate(ngram_llm, on, _code_prompts(), _mtp_params()))
+            runs[on] += ({k: getattr(core.spec_stats, k) - before[k] for k in ("rows", "drafted", "accepted")},)
+    finally:
+        core.proposer = saved
+    (sync, _, _, sync_stats), (asyn, verified, ahead, async_stats) = runs[False], runs[True]
+    assert_same(asyn, sync)
+    assert async_stats == sync_stats and sync_stats["accepted"] > 5
+    assert ahead > verified // 3
 
 
 def _against_host_ngram(llm, on: bool):

@@ -100,8 +100,6 @@ def test_tensor_parallel_size_is_checked(tiny_model_path, tp, message):
     ({"data_parallel_size": 0}, "data_parallel_size must be a positive integer"),
     ({"data_parallel_size": 2}, "data_parallel_size x tensor_parallel_size 2 needs that many devices; 1 are visible"),
     ({"data_parallel_size": 2, "tensor_parallel_size": 2}, "x tensor_parallel_size 4 needs that many devices"),
-    ({"data_parallel_size": 2, "speculative": {"method": "ngram", "num_drafts": 2}},
-     "data_parallel_size > 1 does not support speculative yet"),
     ({"data_parallel_size": 2, "enable_lora": True}, "does not support enable_lora yet"),
     ({"data_parallel_size": 2, "enable_prompt_logprobs": True}, "does not support enable_prompt_logprobs yet")])
 def test_data_parallel_size_is_checked(tiny_model_path, kw, message):
