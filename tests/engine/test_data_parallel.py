@@ -90,18 +90,17 @@ for layout, args in (("1", {}), ("dp2", dict(data_parallel_size=2))):
     out[f"more/{layout}"] = {"turns": runs, "hit": hit, "placed": turns, "tokens": tokens, "grown": grown,
                              "preempted": llm.engine.stats()["num_preemptions"]["recompute"]}
     del llm
-# speculative decoding per rank: oracle drafts from the host (all accepted), MTP / ngram drafts on the device
-# (verify steps overlapped), self drafts at dp 2 x tp 2 after warm-up
+# speculative decoding per rank: oracle drafts from the host (all accepted), self drafts on the device (verify
+# steps overlapped, chase rows)
 truth = {tuple(p): t for p, t in zip(prompts, out["qwen3_next/1"]["tokens"])}
 oracle = lambda seq, k: truth[tuple(seq.prompt_ids)][len(seq.output_ids):len(seq.output_ids) + k]
-for method, layout in (("scripted", "dp2/ep"), ("mtp", "dp2/ep"), ("ngram", "dp2/ep"), ("self", "dp2xtp2/ep")):
+for method in ("scripted", "self"):
     spec = {"method": method, "num_drafts": 2, **({"propose": oracle} if method == "scripted" else {})}
-    llm = LLM(path, speculative=spec, warmup=method == "self", **kw, **layouts[layout])
-    compiles = llm.num_compiles
+    llm = LLM(path, speculative=spec, warmup=False, **kw, **layouts["dp2/ep"])
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     stats = llm.spec_stats()
     out[f"spec/{method}"] = {"tokens": tokens, "drafted": stats["drafted"], "accepted": stats["accepted"],
-                             "overlapped": llm.engine.num_overlapped, "compiles_after_warmup": llm.num_compiles - compiles}
+                             "overlapped": llm.engine.num_overlapped}
     del llm
 print("RESULT " + json.dumps(out))
 """
@@ -171,11 +170,10 @@ def test_preemption_on_a_rank(results):
     assert dp["preempted"] > 0
 
 
-@pytest.mark.parametrize("method", ["scripted", "mtp", "ngram", "self"])
+@pytest.mark.parametrize("method", ["scripted", "self"])
 def test_speculative_decoding_per_rank(results, method):
     """Verify steps over both ranks (rows, drafts and outputs mapped rank-major): greedy tokens equal one device's
-    plain decoding. Oracle drafts from the host are all accepted; the device drafters' verify steps overlap; the
-    self drafter at dp 2 x tp 2 compiles nothing after warm-up."""
+    plain decoding. Oracle drafts from the host are all accepted; the self drafter's (on the device) overlap."""
     r = results[f"spec/{method}"]
     assert r["tokens"] == results["qwen3_next/1"]["tokens"][:4]
     assert r["drafted"] > 0
@@ -183,5 +181,3 @@ def test_speculative_decoding_per_rank(results, method):
         assert r["accepted"] == r["drafted"]
     else:
         assert r["overlapped"] > 0
-    if method == "self":
-        assert r["compiles_after_warmup"] == 0
