@@ -107,7 +107,7 @@ def fuzz_check(post, path, body):
 
 
 # ---- a worker script in a child process (tests/engine/test_tensor_parallel.py, test_data_parallel.py) --------
-def run_worker(script: str, workdir, timeout: int = 1200) -> dict:
+def run_worker(script: str, workdir, timeout: int = 2400) -> dict:
     """Run `script` (python -c, argv[1] = workdir; TESTS_DIR on the environment for `import hf_models`) on CPU and
     return the JSON of its "RESULT " line (its stderr's tail in the failure when there is none)."""
     env = {**os.environ, "TESTS_DIR": os.path.dirname(__file__), "JAX_PLATFORMS": "cpu"}
