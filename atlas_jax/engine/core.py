@@ -143,10 +143,10 @@ class EngineCore(EngineIntrospection):
         Async scheduling (the default; with a drafter where it drafts on the device, `_overlaps`): the
         step is dispatched and the step before it is resolved while the device runs it, so the host
         reads a step's tokens one step late (`Sequence.pending`; the device feeds them from
-        `EngineState.last_tokens`). Outputs equal
-        synchronous stepping: the host's bookkeeping that a step's ops depend on (cache progress,
-        pages, prefix registration, snapshots) is exact at dispatch, only token ids wait; a sequence
-        that turns out to have finished had one more row run, whose token is dropped.
+        `EngineState.last_tokens`). Outputs equal synchronous stepping: the host's bookkeeping that a
+        step's ops depend on (cache progress, pages, prefix registration, snapshots) is exact at
+        dispatch, only token ids wait; a sequence that turns out to have finished had one more row
+        run, whose token is dropped.
 
         A step that raises is contained: while the device state survived (the failure came before
         the device ran: host-side inputs), every scheduled sequence runs again alone, and a request

@@ -6,6 +6,7 @@ and preemption (swap and recompute) with tokens still pending.
 Token ids, text, finish and stop reasons must be equal; logprobs equal to 1e-5 (the shared engine
 caches prefixes: a later run hits what an earlier one cached and feeds a prompt's tail in another
 chunking, which moves a logprob by an ulp — also between two synchronous runs)."""
+import contextlib
 import dataclasses
 
 import pytest
@@ -42,6 +43,27 @@ def assert_same(a, b):
         assert (la is None) == (lb is None)
         for x, y in zip(la or [], lb or []):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-5 for t in x)
+
+
+@contextlib.contextmanager
+def _pages_short(core, mode: str, free: int):
+    """The engine with only `free` KV pages left and preemption_mode `mode`; yields its scheduler."""
+    sched = core.scheduler
+    saved = sched.config
+    sched.config = dataclasses.replace(saved, preemption_mode=mode)
+    held = core.blocks.allocate(core.blocks.num_free - free)
+    try:
+        yield sched
+    finally:
+        core.blocks.free(held)
+        sched.config = saved
+
+
+def _draft_stats(core, fn):
+    """(fn(), the rows with drafts, drafts fed and drafts accepted meanwhile)."""
+    before = dict(core.spec_stats.__dict__)
+    out = fn()
+    return out, {k: getattr(core.spec_stats, k) - before[k] for k in ("rows", "drafted", "accepted")}
 
 
 def _generate(llm, on: bool, prompts=PROMPTS, params=None):
@@ -118,20 +140,12 @@ def test_abort_while_a_step_is_in_flight(engine):
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preemption_with_pending_tokens(engine, mode):
-    core = engine.engine
-    sched = core.scheduler
-    saved = sched.config
-    sched.config = dataclasses.replace(saved, preemption_mode=mode)
-    held = engine.blocks.allocate(engine.blocks.num_free - 14)     # 112 tokens of KV for ~400 needed
-    try:
+    with _pages_short(engine.engine, mode, 14) as sched:          # 112 tokens of KV for ~400 needed
         params = [dataclasses.replace(p, max_tokens=24) for p in _params()]
         sync = _generate(engine, False, params=params)
         before = sched.num_preemptions[mode]
         asyn = _generate(engine, True, params=params)
         assert sched.num_preemptions[mode] > before
-    finally:
-        engine.blocks.free(held)
-        sched.config = saved
     assert_same(asyn, sync)
 
 
@@ -183,18 +197,11 @@ def test_mtp_async_under_preemption_and_aborts(mtp_llm, mode):
     """Pages short (preemption while verify rows are in flight: never of a sequence with slack) and an abort
     with a chase row in flight: the other requests' outputs equal synchronous stepping's."""
     core = mtp_llm.engine
-    sched = core.scheduler
-    saved = sched.config
-    sched.config = dataclasses.replace(saved, preemption_mode=mode)
-    held = core.blocks.allocate(core.blocks.num_free - 24)
-    try:
+    with _pages_short(core, mode, 24) as sched:
         sync = _generate(mtp_llm, False, _code_prompts(), _mtp_params())
         before = sched.num_preemptions[mode]
         asyn = _generate(mtp_llm, True, _code_prompts(), _mtp_params())
         assert sched.num_preemptions[mode] > before
-    finally:
-        core.blocks.free(held)
-        sched.config = saved
     assert_same(asyn, sync)
     prompts = _code_prompts()
     core.async_scheduling = True
@@ -235,9 +242,9 @@ def test_self_drafts_stay_on_the_device_and_overlap(ngram_llm):
     saved, core.proposer = core.proposer, SelfProposer(core)
     try:
         for on in (False, True):
-            before = dict(core.spec_stats.__dict__)
-            runs[on] = verify_overlap(core, lambda: _generate(ngram_llm, on, _code_prompts(), _mtp_params()))
-            runs[on] += ({k: getattr(core.spec_stats, k) - before[k] for k in ("rows", "drafted", "accepted")},)
+            (out, stats), verified, ahead = verify_overlap(core, lambda: _draft_stats(
+                core, lambda: _generate(ngram_llm, on, _code_prompts(), _mtp_params())))
+            runs[on] = (out, verified, ahead, stats)
     finally:
         core.proposer = saved
     (sync, _, _, sync_stats), (asyn, verified, ahead, async_stats) = runs[False], runs[True]
@@ -252,12 +259,10 @@ def _against_host_ngram(llm, on: bool):
     core, results = llm.engine, []
     for proposer, asyn in ((core.proposer, on), (NgramProposer(1, 4), False)):
         saved, core.proposer = core.proposer, proposer
-        before = dict(core.spec_stats.__dict__)
         try:
-            out = _generate(llm, asyn, _code_prompts(), _mtp_params())
+            results.append(_draft_stats(core, lambda: _generate(llm, asyn, _code_prompts(), _mtp_params())))
         finally:
             core.proposer = saved
-        results.append((out, {k: getattr(core.spec_stats, k) - before[k] for k in ("rows", "drafted", "accepted")}))
     return results
 
 
@@ -280,21 +285,13 @@ def test_ngram_on_device_under_preemption(ngram_llm, mode):
     """Pages short: preempted sequences keep their token history (swap moves it, recompute rewrites it).
     Stepped synchronously (the same schedule as the host proposer's) the drafts equal the host's; async
     (other preemption points, and drafts capped by the pages free then) the outputs still do."""
-    core = ngram_llm.engine
-    sched = core.scheduler
-    saved = sched.config
-    sched.config = dataclasses.replace(saved, preemption_mode=mode)
-    held = core.blocks.allocate(core.blocks.num_free - 24)
-    try:
+    with _pages_short(ngram_llm.engine, mode, 24) as sched:
         before = sched.num_preemptions[mode]
         (device, dstats), (host, hstats) = _against_host_ngram(ngram_llm, False)
         assert sched.num_preemptions[mode] > before
         before = sched.num_preemptions[mode]
         asyn = _generate(ngram_llm, True, _code_prompts(), _mtp_params())
         assert sched.num_preemptions[mode] > before
-    finally:
-        core.blocks.free(held)
-        sched.config = saved
     assert dstats == hstats
     assert_same(device, host)
     assert_same(asyn, host)
